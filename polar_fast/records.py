@@ -1,0 +1,183 @@
+"""Records shared by every stage: captured model calls, finished rollouts, and their log on disk.
+
+A `CallRecord` is one model API call as the policy saw it: the exact prompt token ids, the sampled
+token ids and their behaviour logprobs. Everything downstream (merge, learner, SFT export) works
+from these records alone, so they carry ids and never text.
+
+`RecordLog` appends records to one file as length-prefixed, checksummed msgpack frames:
+
+    frame = u32 little-endian payload length | u32 little-endian crc32(payload) | payload
+
+A process killed mid-write leaves at most one torn frame at the end; `read_log` returns every
+complete record before it and reports the torn tail instead of raising, so nothing captured
+before a crash is lost. Appends reopen nothing and never rewrite earlier bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import msgspec
+
+_HEADER = struct.Struct("<II")
+MAX_FRAME_BYTES = 1 << 30  # a length above this is corruption, not a record
+
+
+class Outcome(enum.StrEnum):
+    """How a rollout ended. Only `infra_error` is kept out of reward statistics."""
+
+    OK = "ok"
+    AGENT_ERROR = "agent_error"  # the harness exited non-zero or produced nothing: reward 0
+    TIMEOUT = "timeout"  # the agent hit its hard timeout: reward 0
+    INFRA_ERROR = "infra_error"  # sandbox did not boot, engine down: retried, never scored
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """Wall-clock stamps of one call, in seconds."""
+
+    started_at: float = 0.0  # unix time the request arrived at the proxy
+    render_s: float = 0.0  # chat template + tokenisation
+    engine_s: float = 0.0  # waiting for the engine (queue + generation)
+    total_s: float = 0.0  # request arrival to last byte handed to the harness
+
+
+class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
+    """One captured model call. `prompt_ids + completion_ids` is exactly what the engine saw."""
+
+    session_id: str
+    rollout_id: str
+    group_id: str
+    call_index: int  # 0-based position of this call within its session
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]  # behaviour logprob of each completion id, same length
+    policy_version: int  # weights version that sampled the completion
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
+    dialect: str  # "chat" | "responses" | "anthropic"
+    timings: Timings = Timings()
+    history: str = "exact"  # how the prompt was formed: "exact" reuse, or "render" + cause
+
+    def __post_init__(self) -> None:
+        if len(self.completion_ids) != len(self.completion_logprobs):
+            raise ValueError(
+                f"call {self.session_id}#{self.call_index}: {len(self.completion_ids)} completion ids"
+                f" but {len(self.completion_logprobs)} logprobs"
+            )
+
+
+class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
+    """One finished rollout (one harness run on one task) and its reward."""
+
+    rollout_id: str
+    group_id: str
+    task_id: str
+    harness: str
+    outcome: Outcome
+    reward: float | None = None  # None when outcome is infra_error
+    n_calls: int = 0
+    duration_s: float = 0.0
+    attempt: int = 0  # retries after infra errors
+    error: str = ""  # short reason for anything but `ok`
+
+
+Record = CallRecord | RolloutRecord
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+def encode_frame(record: Record) -> bytes:
+    payload = _encoder.encode(record)
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class RecordLog:
+    """Append-only record file. One `os.write` per frame, so concurrent appenders never interleave
+    bytes within a frame (O_APPEND). `fsync=True` makes each append durable before it returns."""
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, record: Record) -> None:
+        frame = encode_frame(record)
+        written = os.write(self._fd, frame)
+        if written != len(frame):  # a regular file only short-writes when the disk is full
+            raise OSError(f"short write to {self.path}: {written} of {len(frame)} bytes")
+        if self._fsync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> RecordLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LogContents(msgspec.Struct, frozen=True):
+    records: list[Record]
+    valid_bytes: int  # offset just past the last complete frame
+    torn_bytes: int  # bytes after it that do not form a complete, intact frame
+    torn_reason: str = ""
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        return [r for r in self.records if isinstance(r, CallRecord)]
+
+    @property
+    def rollouts(self) -> list[RolloutRecord]:
+        return [r for r in self.records if isinstance(r, RolloutRecord)]
+
+
+def iter_frames(data: bytes) -> Iterator[tuple[int, Record]]:
+    """Yield (end offset, record) for each complete frame; stop at the first torn one."""
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        length, crc = _HEADER.unpack_from(data, offset)
+        start = offset + _HEADER.size
+        if length > MAX_FRAME_BYTES or start + length > len(data):
+            return
+        payload = data[start : start + length]
+        if zlib.crc32(payload) != crc:
+            return
+        yield start + length, _decoder.decode(payload)
+        offset = start + length
+
+
+def read_log(path: str | os.PathLike[str]) -> LogContents:
+    """Every complete record in the log, plus how many trailing bytes were torn and why."""
+    data = Path(path).read_bytes()
+    records: list[Record] = []
+    valid = 0
+    for end, record in iter_frames(data):
+        records.append(record)
+        valid = end
+    torn = len(data) - valid
+    reason = ""
+    if torn:
+        reason = _describe_torn_tail(data, valid)
+    return LogContents(records, valid, torn, reason)
+
+
+def _describe_torn_tail(data: bytes, offset: int) -> str:
+    if len(data) - offset < _HEADER.size:
+        return f"{len(data) - offset} bytes of a frame header at offset {offset}"
+    length, _ = _HEADER.unpack_from(data, offset)
+    if length > MAX_FRAME_BYTES:
+        return f"implausible frame length {length} at offset {offset}"
+    have = len(data) - offset - _HEADER.size
+    if have < length:
+        return f"frame at offset {offset} cut short: {have} of {length} payload bytes"
+    return f"checksum mismatch in frame at offset {offset}"

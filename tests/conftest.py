@@ -1,0 +1,49 @@
+"""Shared test setup.
+
+Async tests use anyio's pytest plugin (`@pytest.mark.anyio`) on asyncio with uvloop and
+debug=True. `blockbuster` is active in every async test, so a blocking call on the event loop
+fails the test. Docker tests use the `docker_required` fixture: they skip when no Docker Engine
+answers, unless POLAR_REQUIRE_DOCKER is set (CI sets it), which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+@pytest.fixture
+def anyio_backend():
+    return ("asyncio", {"use_uvloop": True, "debug": True})
+
+
+@pytest.fixture(autouse=True)
+def _blockbuster(request):
+    if "anyio" not in request.keywords:
+        yield None
+        return
+    from blockbuster import blockbuster_ctx
+
+    with blockbuster_ctx() as bb:
+        yield bb
+
+
+def _docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def docker_required() -> None:
+    if _docker_answers():
+        return
+    if os.environ.get("POLAR_REQUIRE_DOCKER"):
+        pytest.fail("POLAR_REQUIRE_DOCKER is set but no Docker Engine answers `docker info`")
+    pytest.skip("no Docker Engine (set POLAR_REQUIRE_DOCKER=1 to make this a failure)")
