@@ -9,3 +9,8 @@ class PolarError(Exception):
 
 class ConfigError(PolarError, ValueError):
     """run.toml or an override is invalid: the message names the key and what was expected."""
+
+
+class MergeError(PolarError, ValueError):
+    """Input the merge cannot take (mismatched lengths, bad token ids, a sequence over budget).
+    Raised by the Rust crate as well as the Python reference."""
