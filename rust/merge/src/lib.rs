@@ -1,0 +1,174 @@
+//! polar_fast._merge: the prefix-trie merge as Python sees it. This is the only file that knows
+//! pyo3; trie.rs and pack.rs are plain Rust with their own cargo tests.
+//!
+//! Only plain data crosses: msgpack bytes or a list of record objects in, numpy arrays out (moved,
+//! not copied). The heavy part runs with the GIL released (`py.detach`).
+
+use numpy::{IntoPyArray, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+pub mod error;
+pub mod pack;
+pub mod record;
+pub mod trie;
+
+use error::MergeError as RustMergeError;
+use record::Call;
+
+pyo3::import_exception!(polar_fast.errors, MergeError);
+
+fn to_py(err: RustMergeError) -> PyErr {
+    MergeError::new_err(err.0)
+}
+
+fn calls_from_objects(calls: &Bound<'_, PyAny>) -> PyResult<Vec<Call>> {
+    // getattr + extract with an error that names the call and the field
+    macro_rules! field {
+        ($item:expr, $c:expr, $name:literal) => {
+            $item
+                .getattr($name)
+                .and_then(|v| v.extract())
+                .map_err(|_| MergeError::new_err(format!("call {}: missing or mistyped {}", $c, $name)))?
+        };
+    }
+    let mut out = Vec::new();
+    for (c, item) in calls.try_iter()?.enumerate() {
+        let item = item?;
+        out.push(Call {
+            rollout_id: field!(item, c, "rollout_id"),
+            prompt_ids: field!(item, c, "prompt_ids"),
+            completion_ids: field!(item, c, "completion_ids"),
+            completion_logprobs: field!(item, c, "completion_logprobs"),
+            policy_version: field!(item, c, "policy_version"),
+        });
+    }
+    Ok(out)
+}
+
+fn layout_dict<'py>(py: Python<'py>, out: trie::Layout) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tokens", out.tokens.into_pyarray(py))?;
+    d.set_item("positions", out.positions.into_pyarray(py))?;
+    d.set_item("parent", out.parent.into_pyarray(py))?;
+    d.set_item("size", out.size.into_pyarray(py))?;
+    d.set_item("loss_mask", out.loss_mask.into_pyarray(py))?;
+    d.set_item("logprobs", out.logprobs.into_pyarray(py))?;
+    d.set_item("versions", out.versions.into_pyarray(py))?;
+    d.set_item("rollout", out.rollout.into_pyarray(py))?;
+    d.set_item("node", out.node.into_pyarray(py))?;
+    d.set_item("offsets", out.offsets.into_pyarray(py))?;
+    d.set_item("extra_index", out.extra_index.into_pyarray(py))?;
+    d.set_item("extra_rollout", out.extra_rollout.into_pyarray(py))?;
+    d.set_item("extra_logprob", out.extra_logprob.into_pyarray(py))?;
+    d.set_item("extra_version", out.extra_version.into_pyarray(py))?;
+    Ok(d)
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &trie::Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("n_calls", s.n_calls),
+        ("n_rollouts", s.n_rollouts),
+        ("n_nodes", s.n_nodes),
+        ("n_output_tokens", s.n_output_tokens),
+        ("n_call_tokens", s.n_call_tokens),
+        ("n_samples", s.n_samples),
+        ("n_extra_samples", s.n_extra_samples),
+        ("n_leaves", s.n_leaves),
+        ("extend", s.extend),
+        ("new_root", s.new_root),
+        ("in_completion", s.in_completion),
+        ("in_prompt", s.in_prompt),
+        ("completion_fork", s.completion_fork),
+        ("duplicate", s.duplicate),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// Merge a group's calls into one trie and flatten it; see polar_fast/merge.py.
+#[pyfunction]
+#[pyo3(signature = (calls, *, layout = "tree"))]
+fn merge<'py>(py: Python<'py>, calls: &Bound<'py, PyAny>, layout: &str) -> PyResult<Bound<'py, PyDict>> {
+    let tree = match layout {
+        "tree" => true,
+        "paths" => false,
+        other => return Err(MergeError::new_err(format!("layout must be 'tree' or 'paths', not {other:?}"))),
+    };
+    let (out, trie) = if let Ok(bytes) = calls.cast::<PyBytes>() {
+        let payload = bytes.as_bytes();
+        py.detach(|| -> Result<_, RustMergeError> {
+            let calls = record::decode_calls(payload)?;
+            run(&calls, tree)
+        })
+        .map_err(to_py)?
+    } else if calls.is_instance_of::<PyList>() || calls.hasattr("__iter__")? {
+        let calls = calls_from_objects(calls)?;
+        py.detach(|| run(&calls, tree)).map_err(to_py)?
+    } else {
+        return Err(MergeError::new_err("calls must be msgpack bytes or a list of call records"));
+    };
+    let d = layout_dict(py, out)?;
+    d.set_item("rollout_ids", PyList::new(py, trie.rollout_ids())?)?;
+    d.set_item("stats", stats_dict(py, trie.stats())?)?;
+    Ok(d)
+}
+
+fn run(calls: &[Call], tree: bool) -> Result<(trie::Layout, trie::Trie), RustMergeError> {
+    let mut trie = trie::Trie::new();
+    trie.insert_all(calls)?;
+    let out = if tree { trie.tree() } else { trie.paths() };
+    Ok((out, trie))
+}
+
+/// Micro-batch plans for merged arrays; see polar_fast/merge.py `pack_plans`.
+#[pyfunction]
+#[pyo3(signature = (parent, size, offsets, loss_mask, extra_index, *, layout, max_tokens))]
+#[allow(clippy::too_many_arguments)]
+fn pack_plan<'py>(
+    py: Python<'py>,
+    parent: PyReadonlyArray1<'py, i32>,
+    size: PyReadonlyArray1<'py, i32>,
+    offsets: PyReadonlyArray1<'py, i32>,
+    loss_mask: PyReadonlyArray1<'py, u8>,
+    extra_index: PyReadonlyArray1<'py, i32>,
+    layout: &str,
+    max_tokens: i64,
+) -> PyResult<Bound<'py, PyList>> {
+    let kind = match layout {
+        "tree" => pack::LayoutKind::Tree,
+        "paths" => pack::LayoutKind::Paths,
+        other => return Err(MergeError::new_err(format!("layout must be 'tree' or 'paths', not {other:?}"))),
+    };
+    let input = pack::Input {
+        parent: parent.as_slice()?,
+        size: size.as_slice()?,
+        offsets: offsets.as_slice()?,
+        loss_mask: loss_mask.as_slice()?,
+        extra_index: extra_index.as_slice()?,
+    };
+    let plans = py.detach(|| pack::pack_plans(&input, kind, max_tokens)).map_err(to_py)?;
+    let out = PyList::empty(py);
+    for plan in plans {
+        let d = PyDict::new(py);
+        d.set_item("index", plan.index.into_pyarray(py))?;
+        d.set_item("parent", plan.parent.into_pyarray(py))?;
+        d.set_item("size", plan.size.into_pyarray(py))?;
+        d.set_item("loss_mask", plan.loss_mask.into_pyarray(py))?;
+        d.set_item("offsets", plan.offsets.into_pyarray(py))?;
+        d.set_item("extra_ids", plan.extra_ids.into_pyarray(py))?;
+        d.set_item("extra_index", plan.extra_index.into_pyarray(py))?;
+        out.append(d)?;
+    }
+    Ok(out)
+}
+
+#[pymodule]
+fn _merge(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(merge, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_plan, m)?)?;
+    m.add("MergeError", m.py().import("polar_fast.errors")?.getattr("MergeError")?)?;
+    Ok(())
+}
