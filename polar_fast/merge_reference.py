@@ -72,6 +72,8 @@ def merge(calls: Sequence[Any], *, layout: str = "tree") -> Merged:
         logprobs = list(call.completion_logprobs)
         if len(logprobs) != len(completion):
             raise MergeError(f"call {c}: {len(completion)} completion ids but {len(logprobs)} logprobs")
+        if not -(2**31) <= call.policy_version < 2**31:
+            raise MergeError(f"call {c}: policy_version {call.policy_version} is out of range")
         r = rollout_index.setdefault(call.rollout_id, len(rollout_ids))
         if r == len(rollout_ids):
             rollout_ids.append(call.rollout_id)
