@@ -1,0 +1,112 @@
+"""The canonical conversation every dialect translates to and from, and the dialect errors.
+
+A dialect module (chat, responses, anthropic) is pure: bytes in, canonical structs out, and a
+canonical `Completion` back to reply bytes or SSE frames. No aiohttp, I/O or clock: ids and
+timestamps arrive in `ReplyMeta`. Each module exposes
+
+    NAME: str
+    parse(body: bytes) -> Conversation            # raises DialectError (400) on bad input
+    reply(completion, meta) -> bytes              # non-streamed JSON body
+    stream(completion, meta) -> Iterator[bytes]   # SSE frames, in the order real servers send
+    error(status, kind, message) -> bytes         # the dialect's error object
+
+Canonical choices: tool-call arguments are JSON object text; tool results are strings (text
+content parts are joined with newlines); images and documents are rejected with a clear 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+ErrorKind = Literal[
+    "invalid_request", "authentication", "not_found", "too_large", "context_length", "engine", "timeout", "internal"
+]
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    name: str
+    arguments: str  # JSON object text, as the model wrote it (re-encoded when parsed from XML)
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    role: Role
+    content: str = ""
+    reasoning: str = ""  # assistant only
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant only
+    tool_call_id: str = ""  # tool only
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+
+
+class Conversation(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    messages: list[Message]
+    tools: list[Tool] = []
+    stream: bool = False
+    include_usage: bool = False  # chat: stream_options.include_usage
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: FinishReason = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_message(self) -> Message:
+        return Message(role="assistant", content=self.content, reasoning=self.reasoning, tool_calls=self.tool_calls)
+
+
+class ReplyMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reply needs that a pure function cannot make up: ids and the clock."""
+
+    id: str  # random hex; each dialect adds its own prefix
+    created: int  # unix seconds
+    model: str
+
+
+class DialectError(Exception):
+    """Bad input from the caller, answered in its dialect with `status`."""
+
+    def __init__(self, message: str, *, status: int = 400, kind: ErrorKind = "invalid_request") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.kind = kind
+
+
+def reject_media(kind: str) -> DialectError:
+    return DialectError(f"{kind} content is not supported by this proxy (text-only policy model)")
+
+
+def decode(body: bytes, schema: type, dialect: str):
+    """Typed decode with a clear message: `msgspec` already names the offending path."""
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as e:
+        raise DialectError(f"invalid {dialect} request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise DialectError(f"request body is not valid JSON: {e}") from None
+
+
+def sse(data: bytes, event: str | None = None) -> bytes:
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+def json_text(value: Any) -> str:
+    return msgspec.json.encode(value).decode()

@@ -1,0 +1,247 @@
+"""Anthropic Messages (`/v1/messages`, what Claude Code speaks) ⇄ canonical conversation.
+
+`system` (string or text blocks) becomes the first system message; a `system`-role message inside
+`messages` (Claude Code sends one) stays a system message in place. Blocks: `text`, `tool_use`,
+`tool_result` (string or text blocks; each becomes a canonical tool message, placed before the
+user text of the same turn), `thinking` (reasoning); `redacted_thinking` is dropped; `image` and
+`document` are rejected. Tools with an `input_schema` are offered; server tools are ignored.
+`thinking` settings, `metadata`, `tool_choice` are accepted and ignored. The stream is
+`message_start`, per block `content_block_start` → delta(s) → `content_block_stop`,
+`message_delta` (stop reason, usage), `message_stop`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import msgspec
+
+from polar_fast.dialects import (
+    Completion,
+    Conversation,
+    DialectError,
+    Message,
+    ReplyMeta,
+    Tool,
+    ToolCall,
+    decode,
+    json_text,
+    reject_media,
+    sse,
+)
+
+NAME = "anthropic"
+
+
+class _Block(msgspec.Struct):
+    type: str
+    text: str | None = None
+    thinking: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[_Block] | None = None
+
+
+class _MessageIn(msgspec.Struct):
+    role: str
+    content: str | list[_Block]
+
+
+class _ToolIn(msgspec.Struct):
+    name: str = ""
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class _Request(msgspec.Struct):
+    messages: list[_MessageIn]
+    model: str = ""
+    system: str | list[_Block] | None = None
+    tools: list[_ToolIn] | None = None
+    stream: bool | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class _CountRequest(msgspec.Struct):
+    messages: list[_MessageIn]
+    model: str = ""
+    system: str | list[_Block] | None = None
+    tools: list[_ToolIn] | None = None
+
+
+def _text(blocks: str | list[_Block] | None, where: str) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    texts = []
+    for b in blocks:
+        if b.type == "text":
+            texts.append(b.text or "")
+        elif b.type in ("image", "document", "search_result"):
+            raise reject_media(f"{b.type} ({where})")
+        else:
+            raise DialectError(f"unsupported block type {b.type!r} in {where}")
+    return "\n".join(texts)
+
+
+def _turn(i: int, m: _MessageIn) -> list[Message]:
+    where = f"messages[{i}]"
+    if m.role not in ("user", "assistant", "system"):
+        raise DialectError(f"{where}.role {m.role!r} is not one of user, assistant")
+    if isinstance(m.content, str):
+        return [Message(role=m.role, content=m.content)]
+    if m.role == "assistant":
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(m.content):
+            match b.type:
+                case "text":
+                    texts.append(b.text or "")
+                case "thinking":
+                    reasoning.append(b.thinking or "")
+                case "redacted_thinking":
+                    pass
+                case "tool_use":
+                    if not b.id or not b.name:
+                        raise DialectError(f"{where}.content[{j}]: tool_use needs id and name")
+                    calls.append(ToolCall(id=b.id, name=b.name, arguments=json_text(b.input if b.input is not None else {})))
+                case other:
+                    raise DialectError(f"{where}.content[{j}]: unsupported block type {other!r} in an assistant turn")
+        return [Message(role="assistant", content="".join(texts), reasoning="".join(reasoning), tool_calls=tuple(calls))]
+    results, texts = [], []
+    for j, b in enumerate(m.content):
+        if b.type == "tool_result":
+            if not b.tool_use_id:
+                raise DialectError(f"{where}.content[{j}]: tool_result needs tool_use_id")
+            results.append(Message(role="tool", content=_text(b.content, f"{where}.content[{j}]"), tool_call_id=b.tool_use_id))
+        else:
+            texts.append(_text([b], f"{where}.content[{j}]"))
+    out = results
+    if texts or not results:
+        out.append(Message(role=m.role, content="\n".join(texts)))
+    return out
+
+
+def _conversation(req: _Request | _CountRequest) -> tuple[list[Message], list[Tool]]:
+    messages: list[Message] = []
+    system = _text(req.system, "system")
+    if system:
+        messages.append(Message(role="system", content=system))
+    for i, m in enumerate(req.messages):
+        messages.extend(_turn(i, m))
+    if not req.messages:
+        raise DialectError("messages must not be empty")
+    tools = [
+        Tool(name=t.name, description=t.description or "", parameters=t.input_schema)
+        for t in req.tools or ()
+        if t.input_schema is not None and t.name
+    ]
+    return messages, tools
+
+
+def parse(body: bytes) -> Conversation:
+    req: _Request = decode(body, _Request, "messages")
+    messages, tools = _conversation(req)
+    return Conversation(
+        model=req.model,
+        messages=messages,
+        tools=tools,
+        stream=bool(req.stream),
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+    )
+
+
+def parse_count(body: bytes) -> Conversation:
+    req: _CountRequest = decode(body, _CountRequest, "count_tokens")
+    messages, tools = _conversation(req)
+    return Conversation(model=req.model, messages=messages, tools=tools)
+
+
+def count_reply(n_tokens: int) -> bytes:
+    return msgspec.json.encode({"input_tokens": n_tokens})
+
+
+_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _blocks(c: Completion) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if c.reasoning:
+        blocks.append({"type": "thinking", "thinking": c.reasoning, "signature": ""})
+    if c.content or not c.tool_calls:
+        blocks.append({"type": "text", "text": c.content})
+    for t in c.tool_calls:
+        blocks.append({"type": "tool_use", "id": t.id, "name": t.name, "input": msgspec.json.decode(t.arguments)})
+    return blocks
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def _message(c: Completion, meta: ReplyMeta, content: list[dict[str, Any]], stop: str | None, out_tokens: int) -> dict:
+    return {
+        "id": "msg_" + meta.id,
+        "type": "message",
+        "role": "assistant",
+        "model": meta.model,
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": None,
+        "usage": _usage(c.prompt_tokens, out_tokens),
+    }
+
+
+def reply(c: Completion, meta: ReplyMeta) -> bytes:
+    return msgspec.json.encode(_message(c, meta, _blocks(c), _STOP[c.finish_reason], c.completion_tokens))
+
+
+def stream(c: Completion, meta: ReplyMeta, **_: Any) -> Iterator[bytes]:
+    def event(kind: str, **fields: Any) -> bytes:
+        return sse(msgspec.json.encode({"type": kind} | fields), kind)
+
+    yield event("message_start", message=_message(c, meta, [], None, 1))
+    for index, block in enumerate(_blocks(c)):
+        match block["type"]:
+            case "thinking":
+                yield event("content_block_start", index=index, content_block=block | {"thinking": ""})
+                yield event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": block["thinking"]})
+                yield event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
+            case "text":
+                yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                if block["text"]:
+                    yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+            case "tool_use":
+                yield event("content_block_start", index=index, content_block=block | {"input": {}})
+                delta = {"type": "input_json_delta", "partial_json": json_text(block["input"])}
+                yield event("content_block_delta", index=index, delta=delta)
+        yield event("content_block_stop", index=index)
+    delta = {"stop_reason": _STOP[c.finish_reason], "stop_sequence": None}
+    yield event("message_delta", delta=delta, usage=_usage(c.prompt_tokens, c.completion_tokens))
+    yield event("message_stop")
+
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length": "invalid_request_error",
+    "too_large": "request_too_large",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "engine": "api_error",
+    "timeout": "api_error",
+    "internal": "api_error",
+}
+
+
+def error(status: int, kind: str, message: str) -> bytes:
+    return msgspec.json.encode({"type": "error", "error": {"type": _ERROR_TYPES.get(kind, "api_error"), "message": message}})

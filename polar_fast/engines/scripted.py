@@ -1,0 +1,75 @@
+"""An engine that returns chosen replies in order: the model's choices, scripted.
+
+Replies are token id lists or texts; a text is tokenised with the given tokenizer and ends with
+the tokenizer's end-of-turn token, as a model that stopped by itself would. Logprobs are
+made-up but distinct per position (-0.01 * (i + 1)), so tests can tell them apart. Used by tests,
+the proxy bench (`delay_s` gives it a fixed latency) and dry runs of a harness integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Iterable
+
+from polar_fast.engines import EngineUnavailable, Generation, Sampling
+
+if TYPE_CHECKING:
+    from polar_fast.config import Config
+
+
+class ScriptedEngine:
+    def __init__(
+        self,
+        replies: list[list[int]] | list[str],
+        tokenizer=None,
+        *,
+        delay_s: float = 0.0,
+        cycle: bool = False,
+    ) -> None:
+        self.policy_version = 0
+        self._replies = [self._to_ids(r, tokenizer) for r in replies]
+        self._next = 0
+        self._delay_s = delay_s
+        self._cycle = cycle
+        self.prompts: list[list[int]] = []  # every prompt seen, in order (for tests)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ScriptedEngine:
+        from polar_fast.model import load_tokenizer
+
+        return cls(list(cfg.engine.scripted_replies), load_tokenizer(cfg.model.path))
+
+    @staticmethod
+    def _to_ids(reply: list[int] | str, tokenizer) -> list[int]:
+        if not isinstance(reply, str):
+            return list(reply)
+        if tokenizer is None:
+            raise ValueError("ScriptedEngine: text replies need a tokenizer")
+        return tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def remaining(self) -> int:
+        return len(self._replies) - self._next
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = ""
+    ) -> Generation:
+        if self._delay_s:
+            await asyncio.sleep(self._delay_s)
+        if self._next >= len(self._replies):
+            if not self._cycle or not self._replies:
+                raise EngineUnavailable(f"scripted engine has no reply left ({len(self._replies)} given)")
+            self._next = 0
+        ids = self._replies[self._next]
+        self._next += 1
+        self.prompts.append(list(prompt_ids))
+        finish = "stop"
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
+        return Generation(token_ids=list(ids), logprobs=logprobs, finish_reason=finish)
+
+    async def update_weights(self, named_tensors: Iterable | None, *, version: int) -> None:
+        self.policy_version = version
+
+    async def aclose(self) -> None:
+        pass

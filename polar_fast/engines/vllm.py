@@ -1,0 +1,195 @@
+"""HTTP client to a running `vllm serve` (OpenAI-compatible server). Never imports vllm.
+
+- `generate`: POST /v1/completions with the prompt as token ids, `return_token_ids` and
+  `logprobs=0` (vLLM then returns the logprob of each sampled token), `skip_special_tokens=false`.
+- A session sticks to one data-parallel rank through the `X-data-parallel-rank` header (a stable
+  hash of the session id), so its growing prompts hit the same prefix cache.
+- Connection errors and 5xx replies are retried `engine.max_retries` times, then become
+  `EngineUnavailable`; a call past `engine.timeout_s` becomes `EngineTimeout`.
+- `chat` is for `render = "engine"`: the canonical conversation goes to /v1/chat/completions
+  with `return_token_ids`, and vLLM's own template and parsers produce the reply.
+- `update_weights(None, version)` asks the server to reload its weights from disk (dev-mode
+  endpoints /pause, /collective_rpc reload_weights, /reset_prefix_cache, /resume). Pushing
+  tensors over the network needs a weight-transfer backend and is not done here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import TYPE_CHECKING, Any, Iterable
+
+import msgspec
+
+from polar_fast.engines import EngineFailed, EngineTimeout, EngineUnavailable, Generation, Sampling
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from polar_fast.config import Config
+
+
+class _LogprobsView(msgspec.Struct):
+    token_logprobs: list[float | None] = []
+
+
+class _CompletionChoice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    logprobs: _LogprobsView | None = None
+    finish_reason: str | None = None
+
+
+class _CompletionReply(msgspec.Struct):
+    choices: list[_CompletionChoice]
+
+
+class ChatReply(msgspec.Struct):
+    """What `render = "engine"` needs from vLLM's chat reply."""
+
+    prompt_ids: list[int]
+    generation: Generation
+    message: dict[str, Any]  # vLLM's parsed assistant message (content, reasoning, tool_calls)
+
+
+_completion_decoder = msgspec.json.Decoder(_CompletionReply)
+
+
+class VllmEngine:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        timeout_s: float = 600.0,
+        max_retries: int = 2,
+        data_parallel_size: int = 1,
+        retry_delay_s: float = 0.5,
+    ) -> None:
+        if not url:
+            raise EngineUnavailable("engine.url is empty: point it at a running `vllm serve`")
+        self.url = url.rstrip("/")
+        self.model = model
+        self.policy_version = 0
+        self._timeout_s = timeout_s
+        self._max_retries = max_retries
+        self._dp_size = max(1, data_parallel_size)
+        self._retry_delay_s = retry_delay_s
+        self._http: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> VllmEngine:
+        e = cfg.engine
+        return cls(
+            e.url,
+            model=cfg.model.name,
+            timeout_s=e.timeout_s,
+            max_retries=e.max_retries,
+            data_parallel_size=e.data_parallel_size,
+        )
+
+    def _session(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+        return self._http
+
+    def rank_of(self, session_id: str) -> int:
+        return zlib.crc32(session_id.encode()) % self._dp_size
+
+    async def _post(self, path: str, body: dict[str, Any], *, session_id: str = "") -> bytes:
+        import aiohttp
+
+        headers = {"Content-Type": "application/json"}
+        if self._dp_size > 1:
+            headers["X-data-parallel-rank"] = str(self.rank_of(session_id))
+        data = msgspec.json.encode(body)
+        last = ""
+        for attempt in range(self._max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self._retry_delay_s * attempt)
+            try:
+                async with self._session().post(self.url + path, data=data, headers=headers) as r:
+                    payload = await r.read()
+                    if r.status < 300:
+                        return payload
+                    last = f"HTTP {r.status}: {payload[:300].decode(errors='replace')}"
+                    if r.status < 500:
+                        raise EngineFailed(f"vLLM {path} refused the request: {last}")
+            except (asyncio.TimeoutError, TimeoutError):
+                raise EngineTimeout(f"vLLM {path} did not answer within {self._timeout_s} s") from None
+            except aiohttp.ClientError as e:
+                last = f"{type(e).__name__}: {e}"
+        raise EngineUnavailable(f"vLLM at {self.url} unavailable after {self._max_retries + 1} tries: {last}")
+
+    def _sampling_fields(self, sampling: Sampling) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "skip_special_tokens": False,
+            "return_token_ids": True,
+        }
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        return body
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = ""
+    ) -> Generation:
+        body = self._sampling_fields(sampling) | {"prompt": prompt_ids, "logprobs": 0}
+        raw = await self._post("/v1/completions", body, session_id=session_id)
+        try:
+            choice = _completion_decoder.decode(raw).choices[0]
+        except (msgspec.DecodeError, IndexError) as e:
+            raise EngineFailed(f"vLLM sent an unreadable completion: {e}") from None
+        ids = choice.token_ids or []
+        logprobs = [lp if lp is not None else 0.0 for lp in (choice.logprobs.token_logprobs if choice.logprobs else [])]
+        if len(logprobs) != len(ids):
+            raise EngineFailed(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
+        return Generation(token_ids=ids, logprobs=logprobs, finish_reason=_finish(choice.finish_reason))
+
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, *, session_id: str = ""
+    ) -> ChatReply:
+        body = self._sampling_fields(sampling) | {"messages": messages, "logprobs": True, "top_logprobs": 0}
+        if tools:
+            body["tools"] = tools
+        raw = await self._post("/v1/chat/completions", body, session_id=session_id)
+        try:
+            reply = msgspec.json.decode(raw)
+            choice = reply["choices"][0]
+            ids = list(choice["token_ids"])
+            logprobs = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
+            prompt_ids = list(reply["prompt_token_ids"])
+            message = dict(choice["message"])
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineFailed(f"vLLM sent an unreadable chat reply ({type(e).__name__}: {e})") from None
+        if len(logprobs) != len(ids):
+            raise EngineFailed(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
+        gen = Generation(token_ids=ids, logprobs=logprobs, finish_reason=_finish(choice.get("finish_reason")))
+        return ChatReply(prompt_ids=prompt_ids, generation=gen, message=message)
+
+    async def update_weights(self, named_tensors: Iterable | None, *, version: int) -> None:
+        if named_tensors is not None:
+            raise NotImplementedError("vllm engine: pushing tensors needs a weight-transfer backend; pass None to reload from disk")
+        await self._post("/pause", {})
+        try:
+            await self._post("/collective_rpc", {"method": "reload_weights"})
+            await self._post("/reset_prefix_cache", {})
+        finally:
+            await self._post("/resume", {})
+        self.policy_version = version
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+def _finish(reason: str | None) -> str:
+    # vLLM says "stop" for EOS and stop tokens, "length" at max_tokens, "abort" when cancelled.
+    return reason if reason in ("stop", "length", "abort") else "stop"

@@ -1,0 +1,458 @@
+"""The capture proxy: three model API dialects in front of one engine, recording every call.
+
+Routes (each `/v1/...` route also lives under `/s/<token>/v1/...`):
+    POST /v1/chat/completions         OpenAI Chat Completions
+    POST /v1/responses                OpenAI Responses
+    POST /v1/messages[?beta=true]     Anthropic Messages;  POST /v1/messages/count_tokens
+    GET  /v1/models                   served model (OpenAI and Anthropic list shapes in one)
+    HEAD /, GET /                     liveness
+    POST /sessions, GET /sessions/<token>/records, DELETE /sessions/<token>   (admin)
+
+A request's session comes from the path token, else from its API key (`Authorization: Bearer`
+or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: dialect.parse →
+History.prompt (exact-history ids) → engine.generate → Renderer.parse → record (awaited on disk)
+→ reply or SSE in one write. Every failure is answered in the caller's dialect: bad input 400,
+unknown session 401, unknown route 404, body over `proxy.max_body_bytes` 413, engine down 503,
+engine timeout 504, other engine failure 502; a 500 means a bug here. Handler cancellation
+stays off (aiohttp default), so a client hanging up never tears a record in half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import math
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from polar_fast.chat.history import History
+from polar_fast.chat.render import Renderer, template_tool
+from polar_fast.dialects import Completion, Conversation, DialectError, Message, ReplyMeta, ToolCall
+from polar_fast.dialects import anthropic, chat, responses
+from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
+from polar_fast.errors import ConfigError
+from polar_fast.records import CallRecord, RecordLog, Timings
+from polar_fast.recorder import Recorder
+
+if TYPE_CHECKING:
+    from polar_fast.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Session:
+    token: str
+    session_id: str
+    rollout_id: str
+    group_id: str
+    history: History
+    records: list[CallRecord] = field(default_factory=list)
+    n_calls: int = 0
+
+
+class _NewSession(msgspec.Struct):
+    rollout_id: str = ""
+    group_id: str = ""
+
+
+@dataclass(eq=False)
+class ProxyState:
+    cfg: Config
+    engine: Engine
+    renderer: Renderer
+    recorder: Recorder
+    sessions: dict[str, Session] = field(default_factory=dict)
+    base_url: str = ""
+    errors: dict[int, int] = field(default_factory=dict)  # replies by error status
+
+    def new_session(self, rollout_id: str = "", group_id: str = "") -> Session:
+        token = "pf-" + secrets.token_hex(16)
+        session_id = secrets.token_hex(8)
+        history = History(self.renderer, self.cfg.proxy.history, max_calls=self.cfg.proxy.history_max_calls)
+        session = Session(token, session_id, rollout_id or session_id, group_id, history)
+        self.sessions[token] = session
+        return session
+
+
+STATE = web.AppKey("state", ProxyState)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _dialect_of(request: web.Request) -> ModuleType:
+    path = request.path
+    if "/messages" in path:
+        return anthropic
+    if "/responses" in path:
+        return responses
+    return anthropic if "anthropic-version" in request.headers else chat
+
+
+_KIND_OF_STATUS = {401: "authentication", 404: "not_found", 413: "too_large"}
+
+
+def _error_response(request: web.Request, status: int, kind: str, message: str) -> web.Response:
+    request.app[STATE].errors[status] = request.app[STATE].errors.get(status, 0) + 1
+    body = _dialect_of(request).error(status, kind, message)
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except DialectError as e:
+        return _error_response(request, e.status, e.kind, e.message)
+    except EngineError as e:
+        kind = "timeout" if isinstance(e, EngineTimeout) else "engine"
+        return _error_response(request, e.status, kind, f"inference engine: {e}")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = e.text or e.reason
+        if e.status == 413:
+            message = f"request body exceeds {request.app[STATE].cfg.proxy.max_body_bytes} bytes"
+        elif e.status == 404:
+            message = f"no route {request.method} {request.path}"
+        elif e.status == 405:
+            message = f"method {request.method} not allowed on {request.path}"
+        return _error_response(request, e.status, _KIND_OF_STATUS.get(e.status, "invalid_request"), message)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # a bug here: answer, log, keep serving everyone else
+        log.exception("proxy: unhandled error on %s %s", request.method, request.path)
+        return _error_response(request, 500, "internal", f"internal proxy error: {type(e).__name__}")
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def _api_key(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("x-api-key", "").strip()
+
+
+def _session(request: web.Request) -> Session:
+    token = request.match_info.get("token") or _api_key(request)
+    session = request.app[STATE].sessions.get(token)
+    if session is None:
+        raise DialectError("unknown or closed session token", status=401, kind="authentication")
+    return session
+
+
+async def _body(request: web.Request) -> bytes:
+    limit = request.app[STATE].cfg.proxy.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise DialectError(f"request body exceeds {limit} bytes", status=413, kind="too_large")
+    return await request.read()  # aiohttp enforces client_max_size on chunked bodies too
+
+
+def _check_admin(request: web.Request) -> None:
+    key = request.app[STATE].cfg.proxy.admin_key
+    if not key:
+        return
+    given = request.headers.get("x-admin-key") or _api_key(request)
+    if not secrets.compare_digest(given.encode(), key.encode()):
+        raise DialectError("admin key required", status=401, kind="authentication")
+
+
+async def create_session(request: web.Request) -> web.Response:
+    _check_admin(request)
+    body = await _body(request)
+    try:
+        spec = msgspec.json.decode(body, type=_NewSession) if body.strip() else _NewSession()
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DialectError(f"POST /sessions takes optional JSON {{rollout_id, group_id}}: {e}") from None
+    state = request.app[STATE]
+    session = state.new_session(spec.rollout_id, spec.group_id)
+    reply = {"token": session.token, "base_url": f"{state.base_url}/s/{session.token}", "session_id": session.session_id}
+    return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
+
+
+def _admin_session(request: web.Request) -> Session:
+    _check_admin(request)
+    session = request.app[STATE].sessions.get(request.match_info["token"])
+    if session is None:
+        raise DialectError("no such session", status=404, kind="not_found")
+    return session
+
+
+async def session_records(request: web.Request) -> web.Response:
+    session = _admin_session(request)
+    return web.Response(body=msgspec.json.encode(session.records), content_type="application/json")
+
+
+async def close_session(request: web.Request) -> web.Response:
+    session = _admin_session(request)
+    del request.app[STATE].sessions[session.token]
+    body = {"closed": True, "session_id": session.session_id, "n_calls": session.n_calls}
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Sampling:
+    s = state.cfg.sampling
+    temperature = s.temperature if conv.temperature is None else conv.temperature
+    top_p = s.top_p if conv.top_p is None else conv.top_p
+    if not (math.isfinite(temperature) and 0 <= temperature <= 100):
+        raise DialectError(f"temperature must be a number in [0, 100], got {temperature}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise DialectError(f"top_p must be in (0, 1], got {top_p}")
+    if conv.max_tokens is not None and conv.max_tokens < 1:
+        raise DialectError(f"max_tokens must be at least 1, got {conv.max_tokens}")
+    context = state.cfg.model.max_context_tokens
+    if prompt_len >= context:
+        raise DialectError(
+            f"prompt is {prompt_len} tokens but the model's context is {context} tokens",
+            kind="context_length",
+        )
+    max_tokens = min(conv.max_tokens or s.max_tokens, context - prompt_len)
+    seed = conv.seed if conv.seed is not None else s.seed
+    return Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+
+
+def _call_id(dialect: ModuleType) -> str:
+    prefix = {"anthropic": "toolu_", "responses": "call_"}.get(dialect.NAME, "call_")
+    return prefix + secrets.token_hex(12)
+
+
+async def _generate(state: ProxyState, session: Session, prompt_ids: list[int], sampling: Sampling):
+    version = state.engine.policy_version
+    try:
+        async with asyncio.timeout(state.cfg.engine.timeout_s):
+            gen = await state.engine.generate(prompt_ids, sampling, session_id=session.session_id)
+    except TimeoutError:
+        raise EngineTimeout(f"no generation within {state.cfg.engine.timeout_s} s") from None
+    except EngineError:
+        raise
+    except Exception as e:  # an engine bug is still an engine failure, not a proxy one
+        raise EngineFailed(f"{type(e).__name__}: {e}") from e
+    if gen.finish_reason == "abort":
+        raise EngineFailed("generation was aborted")
+    if len(gen.token_ids) != len(gen.logprobs):
+        raise EngineFailed(f"{len(gen.token_ids)} token ids but {len(gen.logprobs)} logprobs")
+    return gen, gen.policy_version if gen.policy_version is not None else version
+
+
+async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResponse:
+    started_at, t0 = time.time(), time.perf_counter()
+    state = request.app[STATE]
+    session = _session(request)
+    conv = dialect.parse(await _body(request))
+    if state.cfg.engine.render == "engine":
+        prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
+        t1 = t2 = time.perf_counter()
+    else:
+        prompt = session.history.prompt(conv.messages, conv.tools)
+        sampling = _sampling(state, conv, len(prompt.ids))
+        t1 = time.perf_counter()
+        gen, version = await _generate(state, session, prompt.ids, sampling)
+        t2 = time.perf_counter()
+        content, reasoning, calls = state.renderer.parse(gen.token_ids, conv.tools, lambda: _call_id(dialect))
+        finish = "tool_calls" if calls else gen.finish_reason
+        completion = Completion(
+            content=content,
+            reasoning=reasoning,
+            tool_calls=calls,
+            finish_reason=finish,
+            prompt_tokens=len(prompt.ids),
+            completion_tokens=len(gen.token_ids),
+        )
+        session.history.remember(prompt, gen.token_ids, completion.as_message())
+        prompt_ids, history = prompt.ids, prompt.history
+    record = CallRecord(
+        session_id=session.session_id,
+        rollout_id=session.rollout_id,
+        group_id=session.group_id,
+        call_index=session.n_calls,
+        prompt_ids=prompt_ids,
+        completion_ids=gen.token_ids,
+        completion_logprobs=gen.logprobs,
+        policy_version=version,
+        finish_reason=completion.finish_reason,
+        dialect=dialect.NAME,
+        timings=Timings(started_at=started_at, render_s=t1 - t0, engine_s=t2 - t1, total_s=time.perf_counter() - t0),
+        history=history,
+    )
+    session.n_calls += 1
+    session.records.append(record)
+    await state.recorder.put(record)
+    meta = ReplyMeta(id=secrets.token_hex(12), created=int(started_at), model=conv.model or state.cfg.model.name)
+    if not conv.stream:
+        return web.Response(body=dialect.reply(completion, meta), content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    # The whole completion is known: one write, which the client's SSE parser splits into events.
+    await response.write(b"".join(dialect.stream(completion, meta, include_usage=conv.include_usage)))
+    await response.write_eof()
+    return response
+
+
+async def _complete_in_engine(state: ProxyState, session: Session, conv: Conversation, dialect: ModuleType):
+    """`render = "engine"`: vLLM renders and parses; we only translate and record."""
+    chat_fn = getattr(state.engine, "chat", None)
+    if chat_fn is None:
+        raise ConfigError('engine.render = "engine" needs the vllm engine')
+    sampling = _sampling(state, conv, 0)
+    version = state.engine.policy_version
+    messages = [_openai_message(m) for m in conv.messages]
+    try:
+        async with asyncio.timeout(state.cfg.engine.timeout_s):
+            reply = await chat_fn(messages, [template_tool(t) for t in conv.tools], sampling, session_id=session.session_id)
+    except TimeoutError:
+        raise EngineTimeout(f"no generation within {state.cfg.engine.timeout_s} s") from None
+    m = reply.message
+    calls = tuple(
+        ToolCall(id=_call_id(dialect), name=str(c["function"]["name"]), arguments=str(c["function"]["arguments"]))
+        for c in m.get("tool_calls") or ()
+    )
+    completion = Completion(
+        content=m.get("content") or "",
+        reasoning=m.get("reasoning_content") or m.get("reasoning") or "",
+        tool_calls=calls,
+        finish_reason="tool_calls" if calls else reply.generation.finish_reason,
+        prompt_tokens=len(reply.prompt_ids),
+        completion_tokens=len(reply.generation.token_ids),
+    )
+    return reply.prompt_ids, reply.generation, version, completion, "render:engine"
+
+
+def _openai_message(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat)
+
+
+async def responses_create(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, responses)
+
+
+async def messages_create(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, anthropic)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _session(request)
+    conv = anthropic.parse_count(await _body(request))
+    n_tokens = len(state.renderer.render(conv.messages, conv.tools))
+    return web.Response(body=anthropic.count_reply(n_tokens), content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    _session(request)
+    name = request.app[STATE].cfg.model.name
+    entry = {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "polar_fast",
+        "type": "model",
+        "display_name": name,
+        "created_at": "1970-01-01T00:00:00Z",
+    }
+    body = {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+# ----------------------------------------------------------------------------- app
+
+
+def make_app(state: ProxyState) -> web.Application:
+    app = web.Application(client_max_size=state.cfg.proxy.max_body_bytes, middlewares=[_errors])
+    app[STATE] = state
+    for prefix in ("", "/s/{token}"):
+        app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/v1/responses", responses_create)
+        app.router.add_post(prefix + "/v1/messages", messages_create)
+        app.router.add_post(prefix + "/v1/messages/count_tokens", count_tokens)
+        app.router.add_get(prefix + "/v1/models", models)
+    app.router.add_get("/", health)  # aiohttp answers HEAD on GET routes
+    app.router.add_post("/sessions", create_session)
+    app.router.add_get("/sessions/{token}/records", session_records)
+    app.router.add_delete("/sessions/{token}", close_session)
+    return app
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(eq=False)
+class Proxy:
+    """A running proxy: where it listens and its state (sessions, engine, recorder)."""
+
+    state: ProxyState
+    base_url: str  # http://HOST:PORT
+    unix_socket: str  # "" when not listening on one
+
+    def new_session(self, rollout_id: str = "", group_id: str = "") -> Session:
+        return self.state.new_session(rollout_id, group_id)
+
+
+@asynccontextmanager
+async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer: Renderer | None = None) -> AsyncIterator[Proxy]:
+    """Listen on `cfg.proxy.host:port` (and `unix_socket`) until the block exits.
+
+    The recorder's writer runs in this context's TaskGroup; on exit the server stops first, then
+    every queued record is written."""
+    pc = cfg.proxy
+    if not _is_loopback(pc.host) and not pc.admin_key:
+        raise ConfigError(f"proxy.host={pc.host!r} listens beyond loopback: set proxy.admin_key")
+    if renderer is None:
+        from polar_fast.model import load_tokenizer
+
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
+        renderer = Renderer(tokenizer, tool_parser=cfg.model.tool_parser, reasoning=cfg.model.reasoning)
+    recorder = Recorder(record_log, queue_size=pc.recorder_queue_size)
+    state = ProxyState(cfg=cfg, engine=engine, renderer=renderer, recorder=recorder)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(recorder.run())
+        runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
+        try:
+            await runner.setup()
+            site = web.TCPSite(runner, pc.host, pc.port)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # the real port when pc.port == 0
+            host = f"[{pc.host}]" if ":" in pc.host else pc.host
+            state.base_url = f"http://{host}:{port}"
+            if pc.unix_socket:
+                await web.UnixSite(runner, pc.unix_socket).start()
+            yield Proxy(state, state.base_url, pc.unix_socket)
+        finally:
+            await runner.cleanup()
+            recorder.close()

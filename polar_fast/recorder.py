@@ -1,0 +1,69 @@
+"""The record writer: a bounded queue of call records drained into the run's `RecordLog`.
+
+`put()` waits until the record is on disk (appended, and fsynced when the log says so), so the
+proxy can finish a reply knowing its record survives a crash. A full queue makes `put()` wait:
+backpressure instead of unbounded memory. Appends run in a worker thread (file writes block);
+the writer takes everything queued at once and appends it in one thread hop. `run()` is meant
+for the app's TaskGroup; `close()` lets it finish what is queued and return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from polar_fast.records import Record, RecordLog
+
+
+class RecorderStatistics(msgspec.Struct, frozen=True):
+    queued: int
+    written: int
+    batches: int
+
+
+class Recorder:
+    def __init__(self, log: RecordLog, *, queue_size: int = 1024) -> None:
+        self.log = log
+        self._queue: asyncio.Queue[tuple[Record, asyncio.Future[None]] | None] = asyncio.Queue(queue_size)
+        self._written = 0
+        self._batches = 0
+
+    async def put(self, record: Record) -> None:
+        """Hand a record to the writer and wait until it is appended to the log."""
+        done = asyncio.get_running_loop().create_future()
+        await self._queue.put((record, done))
+        await done
+
+    def close(self) -> None:
+        """Ask `run()` to return once everything queued so far is written."""
+        self._queue.put_nowait(None)
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and batch[-1] is not None:
+                batch.append(self._queue.get_nowait())
+            items = [item for item in batch if item is not None]
+            if items:
+                try:
+                    await asyncio.to_thread(self._append, [record for record, _ in items])
+                except OSError as e:  # disk full, log removed: the calls fail loudly, the proxy stays up
+                    for _, done in items:
+                        if not done.done():
+                            done.set_exception(e)
+                else:
+                    for _, done in items:
+                        if not done.done():  # its caller may have gone away
+                            done.set_result(None)
+                    self._written += len(items)
+                self._batches += 1
+            if batch[-1] is None:
+                return
+
+    def _append(self, records: list[Record]) -> None:
+        for record in records:
+            self.log.append(record)
+
+    def statistics(self) -> RecorderStatistics:
+        return RecorderStatistics(queued=self._queue.qsize(), written=self._written, batches=self._batches)

@@ -1,0 +1,121 @@
+"""End-to-end test helper: a real proxy on 127.0.0.1 with a scripted engine, for any test suite.
+
+    async with scripted_proxy(tmp_path, write_file_replies("hello.txt", "hi")) as px:
+        ... point a client at px.base_url (".../s/<token>", add "/v1" as the client needs)
+        ... with px.token as its API key
+        calls = await px.records()          # this session's CallRecords, via GET /sessions/...
+
+The engine's replies are texts tokenised by the real SmolLM2 tokenizer (each ends with its
+end-of-turn token, as a model that stopped would). `write_file_replies` scripts the usual
+two-call run: a tool call that writes a file, then a final answer; `markdown_replies` does the
+same for harnesses without tool calling (mini-swe-agent reads a ```bash block).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+import msgspec
+
+from polar_fast.config import Config, parse_config
+from polar_fast.engines.scripted import ScriptedEngine
+from polar_fast.proxy import Proxy, serve
+from polar_fast.records import CallRecord, RecordLog, read_log
+
+
+def write_file_replies(
+    path: str = "hello.txt",
+    content: str = "hello from polar_fast",
+    *,
+    tool: str = "bash",
+    argument: str = "command",
+    final: str = "Done: the file is written.",
+) -> list[str]:
+    """Hermes-format tool call running `printf CONTENT > PATH`, then a plain final answer."""
+    command = f"printf '%s' {json.dumps(content)} > {path}"
+    call = json.dumps({"name": tool, "arguments": {argument: command}})
+    return [f"<tool_call>\n{call}\n</tool_call>", final]
+
+
+def markdown_replies(path: str = "hello.txt", content: str = "hello from polar_fast") -> list[str]:
+    """The same run for harnesses that parse commands out of markdown (mini-swe-agent)."""
+    return [
+        f"THOUGHT: write the file.\n\n```bash\nprintf '%s' {json.dumps(content)} > {path}\n```",
+        "THOUGHT: done.\n\n```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+    ]
+
+
+@dataclass(eq=False)
+class ScriptedProxy:
+    proxy: Proxy
+    engine: ScriptedEngine
+    token: str
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        """http://127.0.0.1:PORT/s/<token> (no /v1), the harness adapters' `proxy_url`."""
+        return f"{self.proxy.base_url}/s/{self.token}"
+
+    @property
+    def root_url(self) -> str:
+        return self.proxy.base_url
+
+    async def records(self, token: str | None = None) -> list[CallRecord]:
+        """The session's records as the admin route returns them (real HTTP)."""
+        url = f"{self.proxy.base_url}/sessions/{token or self.token}/records"
+        async with aiohttp.ClientSession() as http, http.get(url, headers=self._admin()) as r:
+            r.raise_for_status()
+            return msgspec.json.decode(await r.read(), type=list[CallRecord])
+
+    def logged(self) -> list[CallRecord]:
+        """Every call in the run's record log on disk (all sessions)."""
+        return read_log(self.log_path).calls
+
+    async def new_session(self, rollout_id: str = "", group_id: str = "") -> str:
+        url = f"{self.proxy.base_url}/sessions"
+        body = {"rollout_id": rollout_id, "group_id": group_id}
+        async with aiohttp.ClientSession() as http, http.post(url, json=body, headers=self._admin()) as r:
+            r.raise_for_status()
+            return (await r.json())["token"]
+
+    def _admin(self) -> dict[str, str]:
+        key = self.proxy.state.cfg.proxy.admin_key
+        return {"x-admin-key": key} if key else {}
+
+
+@asynccontextmanager
+async def scripted_proxy(
+    tmp_path: str | os.PathLike[str],
+    replies: list[str] | list[list[int]] | None = None,
+    *,
+    unix_socket: str = "",
+    config: dict | None = None,
+    cycle: bool = False,
+) -> AsyncIterator[ScriptedProxy]:
+    """A real proxy (aiohttp on 127.0.0.1:0, optional unix socket) with one session open."""
+    import asyncio
+
+    from polar_fast.model import load_tokenizer
+
+    raw = {"engine": {"kind": "scripted"}, "proxy": {"unix_socket": unix_socket}}
+    for section, values in (config or {}).items():
+        raw.setdefault(section, {}).update(values)
+    cfg: Config = parse_config(raw)
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
+    engine = ScriptedEngine(replies if replies is not None else write_file_replies(), tokenizer, cycle=cycle)
+    log_path = Path(tmp_path) / "calls.log"
+    record_log = RecordLog(log_path)
+    try:
+        async with serve(cfg, engine, record_log) as proxy:
+            scripted = ScriptedProxy(proxy, engine, "", log_path)
+            scripted.token = await scripted.new_session("rollout-0", "group-0")
+            yield scripted
+    finally:
+        record_log.close()
