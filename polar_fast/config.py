@@ -64,6 +64,7 @@ class ProxyConfig(_Section):
     unix_socket: str = ""  # also listen here (sandboxes with --network none)
     admin_key: str = ""  # required on /sessions routes when host is not loopback
     history: Literal["exact", "template"] = "exact"
+    history_max_calls: int = 32  # per session, earlier calls kept for exact-history reuse
     max_body_bytes: int = 32 * 1024 * 1024
     record_fsync: bool = False  # fsync the record log after every call
     recorder_queue_size: int = 1024  # records waiting for the disk writer
