@@ -1,0 +1,80 @@
+"""Learner checkpoints: model, optimizer, step, policy version and every RNG, in one file.
+
+Full (unsharded) state dicts via torch.distributed.checkpoint.state_dict, which works the same
+for a plain module and an FSDP2-sharded one; rank 0 writes `step_<N>.pt` atomically and
+`latest` names the newest. Resume restores the RNGs, so a resumed run draws the same numbers
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, version: int
+) -> Path:
+    """Write step_<step>.pt (rank 0 only; every rank must call it) and point `latest` at it."""
+    directory = Path(directory)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
+    path = directory / f"step_{step}.pt"
+    if _rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        payload = {"model": model_sd, "optimizer": optim_sd, "step": step, "version": version,
+                   "rng": rng_state()}
+        torch.save(payload, tmp)
+        tmp.replace(path)
+        (directory / "latest.tmp").write_text(path.name)
+        (directory / "latest.tmp").replace(directory / "latest")
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    marker = Path(directory) / "latest"
+    return Path(directory) / marker.read_text().strip() if marker.exists() else None
+
+
+def load_checkpoint(
+    path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, int]:
+    """Restore model, optimizer and RNGs in place; returns (step, version)."""
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    set_state_dict(model, optimizer, model_state_dict=payload["model"],
+                   optim_state_dict=payload["optimizer"], options=StateDictOptions(full_state_dict=True))
+    set_rng_state(payload["rng"])
+    return int(payload["step"]), int(payload["version"])

@@ -1,0 +1,349 @@
+"""The GRPO learner: captured calls + rewards in, one optimizer step on packed trie batches out.
+
+Reads top to bottom: config -> setup (model, FSDP2, optimizer) -> packed batches (advantages,
+merge, pack, loss terms, aggregation weights) -> loss -> step -> metrics -> weights/checkpoint.
+
+The variant, and where it deviates from paper GRPO (DeepSeekMath):
+- One advantage per rollout (a whole harness run, many model calls), from the group's rewards:
+  mean/std (default), mean only (Dr. GRPO) or leave-one-out (RLOO); spread over every token the
+  rollout sampled. Zero-variance groups and infra_error rollouts are left out before merging,
+  so they cost no compute.
+- Training data is the prefix-trie merge of the group's calls, not one sequence per call:
+  `tree` computes each shared prefix once (ancestor-rule attention, depth as position id),
+  `paths` computes each leaf path once. Extra samples (the same token sampled by two rollouts
+  after the same prefix) each add their own loss term at the shared position.
+- Token-level PPO clip with clip-higher bounds, ratio against the recorded behaviour logprob
+  (not a learner recomputation: one optimizer step per batch makes "old" == current, so the
+  behaviour logprob is the only meaningful reference and the ratio also absorbs engine/learner
+  numeric mismatch and staleness), plus a dual-clip cap on the importance weight. KL to a
+  frozen reference is off by default (k3 estimator when on).
+- Loss normalised per rollout (default): every trained rollout weighs the same, however many
+  calls, sequences or micro-batches it was split into; token-mean and sequence-mean available.
+- One optimizer step per call of `step()`, gradients accumulated over micro-batches.
+
+Distributed: under torchrun, the wrapped model is sharded with FSDP2 (`fully_shard` per decoder
+layer, then the root); every rank builds the same step batch and takes micro-batches i::world
+(ranks short of work run a zero-weight pass so collectives line up). The local loss is scaled by
+world size because FSDP2 averages gradients over ranks while the aggregation weights already
+sum to one over the whole step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Iterator, Sequence
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from polar_fast import losses
+from polar_fast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polar_fast.config import Config, LearnerConfig
+from polar_fast.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
+from polar_fast.records import CallRecord, Outcome, RolloutRecord
+
+LAYOUTS = ("tree", "paths", "percall")
+
+# ------------------------------------------------------------------------------ packed batches
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """Everything one optimizer step trains on. Lists are per micro-batch; arrays per term."""
+
+    micro_batches: list[Any]
+    terms: list[Terms]
+    advantages: list[np.ndarray]  # float32 (N,)
+    weights: list[np.ndarray]  # float64 (N,): aggregation weights, summing to 1 over the step
+    keys_rollout: list[np.ndarray]  # int64 (N,): global rollout index (per-rollout key)
+    n_rollouts: int
+    reward_mean: float
+
+    @property
+    def n_terms(self) -> int:
+        return sum(len(t.position) for t in self.terms)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(mb.tokens) for mb in self.micro_batches)
+
+
+def percall_batches(calls: Sequence[CallRecord]) -> list[Any]:
+    """The per-call baseline: each call its own sequence and micro-batch, no merging."""
+    from polar_fast.merged import MicroBatch
+
+    out = []
+    for c in calls:
+        n_p, n = len(c.prompt_ids), len(c.prompt_ids) + len(c.completion_ids)
+        mask = np.zeros(n, np.uint8)
+        mask[n_p:] = 1
+        logprobs = np.zeros(n, np.float32)
+        logprobs[n_p:] = c.completion_logprobs
+        out.append(MicroBatch(
+            tokens=np.array(c.prompt_ids + c.completion_ids, np.int32),
+            positions=np.arange(n, dtype=np.int32),
+            parent=np.arange(-1, n - 1, dtype=np.int32),
+            size=np.arange(n, 0, -1, dtype=np.int32),
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=np.where(mask == 1, c.policy_version, -1).astype(np.int32),
+            rollout=np.zeros(n, np.int32),
+            node=np.arange(n, dtype=np.int32),
+            offsets=np.array([0, n], np.int32),
+            extra_index=np.zeros(0, np.int32), extra_rollout=np.zeros(0, np.int32),
+            extra_logprob=np.zeros(0, np.float32), extra_version=np.zeros(0, np.int32),
+        ))
+    return out
+
+
+def _group_batches(
+    calls: list[CallRecord], layout: str, max_tokens: int, merge_impl: ModuleType
+) -> list[tuple[Any, list[str]]]:
+    """(micro-batch, rollout_ids its `rollout` indexes into) for one group's calls."""
+    if layout == "percall":
+        return [(mb, [c.rollout_id]) for mb, c in zip(percall_batches(calls), calls)]
+    merged = merge_impl.merge(calls, layout=layout)
+    return [(mb, merged.rollout_ids) for mb in merge_impl.pack(merged, max_tokens=max_tokens)]
+
+
+def build_step_batch(
+    calls: Sequence[CallRecord],
+    rollouts: Sequence[RolloutRecord],
+    cfg: LearnerConfig,
+    *,
+    layout: str = "tree",
+    max_tokens: int = 8192,
+    merge_impl: ModuleType | None = None,
+) -> StepBatch:
+    """Advantages -> per-group merge -> pack -> loss terms -> aggregation weights."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if merge_impl is None:
+        from polar_fast import merge as merge_impl
+    advantages = losses.rollout_advantages(rollouts, cfg.advantage)
+    scored = [r.reward for r in rollouts if r.outcome != Outcome.INFRA_ERROR and r.reward is not None]
+    by_group: dict[str, list[CallRecord]] = {}
+    for c in calls:
+        if c.rollout_id in advantages:
+            by_group.setdefault(c.group_id, []).append(c)
+    rollout_index = {rid: i for i, rid in enumerate(sorted(advantages))}
+    mbs, terms, advs, keys_r, keys_s = [], [], [], [], []
+    n_seq = 0
+    for group_calls in by_group.values():
+        for mb, rollout_ids in _group_batches(group_calls, layout, max_tokens, merge_impl):
+            t = loss_terms(mb)
+            rids = [rollout_ids[i] for i in t.rollout]
+            mbs.append(mb)
+            terms.append(t)
+            advs.append(np.array([advantages[r] for r in rids], np.float32))
+            keys_r.append(np.array([rollout_index[r] for r in rids], np.int64))
+            keys_s.append(t.sequence + n_seq)
+            n_seq += len(mb.offsets) - 1
+    weights = _split_weights(cfg.aggregation, keys_r, keys_s)
+    return StepBatch(mbs, terms, advs, weights, keys_r, n_rollouts=len({r for k in keys_r for r in k}),
+                     reward_mean=float(np.mean(scored)) if scored else math.nan)
+
+
+def _split_weights(mode: str, keys_r: list[np.ndarray], keys_s: list[np.ndarray]) -> list[np.ndarray]:
+    """Aggregation weights over the whole step, cut back into per-micro-batch pieces."""
+    if not keys_r:
+        return []
+    keys = losses.aggregation_keys(mode, torch.from_numpy(np.concatenate(keys_r)),
+                                   torch.from_numpy(np.concatenate(keys_s)))
+    flat = losses.mean_of_means_weights(keys).numpy()
+    return np.split(flat, np.cumsum([len(k) for k in keys_r])[:-1])
+
+
+# ------------------------------------------------------------------------------------- metrics
+
+
+class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    version: int  # policy version after this step
+    loss: float  # the aggregated objective (pg + kl_coef * kl)
+    pg_loss: float
+    kl: float  # aggregated k3 estimate (0 when kl_coef == 0)
+    clip_frac: float  # weighted share of terms whose loss was clipped or capped
+    ratio_mean: float  # weighted mean importance ratio
+    grad_norm: float
+    reward_mean: float  # over scored (non-infra) rollouts given to the step
+    n_rollouts: int  # rollouts trained on
+    n_terms: int  # loss terms (sampled tokens + extra samples)
+    n_tokens: int  # tokens forwarded
+    n_micro_batches: int
+    time_s: float
+
+
+# --------------------------------------------------------------------------------------- setup
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _attention_impl(cfg: LearnerConfig, device: torch.device) -> str:
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "flex_attention" if device.type == "cuda" else "sdpa"
+
+
+class Learner:
+    """Owns the trainable model, its optimizer, the step counter and the policy version."""
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        model: torch.nn.Module,
+        *,
+        layout: str = "tree",
+        max_tokens: int = 8192,
+        merge_impl: ModuleType | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.max_tokens = max_tokens
+        self.merge_impl = merge_impl
+        self.device = torch.device(cfg.device)
+        self.rank, self.world = _world()
+        model.to(self.device)
+        model.set_attn_implementation(_attention_impl(cfg, self.device))
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.ref = None
+        if cfg.kl_coef > 0:  # a frozen copy of the starting policy
+            self.ref = PackedLM(copy.deepcopy(model).eval().requires_grad_(False))
+        self.policy = PackedLM(model)
+        if self.world > 1:
+            self._shard()
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+        )
+        self.step_count = 0
+        self.version = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, merge_impl: ModuleType | None = None) -> Learner:
+        from polar_fast.model import load_model
+
+        model = load_model(cfg.model.path, dtype="float32", device="cpu")
+        return cls(cfg.learner, model, layout=cfg.merge.layout, max_tokens=cfg.merge.max_tokens,
+                   merge_impl=merge_impl)
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy()
+        if self.cfg.dtype == "bfloat16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in self.policy.lm.get_decoder().layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(self.policy, mp_policy=mp)
+
+    # ------------------------------------------------------------------------------- the step
+
+    def prepare(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]) -> StepBatch:
+        return build_step_batch(calls, rollouts, self.cfg, layout=self.layout,
+                                max_tokens=self.max_tokens, merge_impl=self.merge_impl)
+
+    def step(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]) -> StepMetrics:
+        return self.train_step(self.prepare(calls, rollouts))
+
+    def train_step(self, batch: StepBatch) -> StepMetrics:
+        """Forward/backward every micro-batch this rank owns, then one clipped AdamW step."""
+        started = time.perf_counter()
+        self.policy.train()
+        n = len(batch.micro_batches)
+        mine = list(range(self.rank, n, self.world))
+        n_local = -(-n // self.world) if n else 0
+        sums = torch.zeros(5, dtype=torch.float64)  # loss, pg, kl, clip, ratio (weighted)
+        for j in range(n_local):
+            i, scale = (mine[j], 1.0) if j < len(mine) else (0, 0.0)  # zero-weight filler pass
+            if hasattr(self.policy, "set_requires_gradient_sync"):
+                self.policy.set_requires_gradient_sync(j == n_local - 1)
+            sums += self._micro_step(batch, i, scale)
+        if self.world > 1:
+            dist.all_reduce(sums)
+        grad_norm = self._clip_and_step() if n else 0.0
+        self.step_count += 1
+        self.version += 1
+        loss, pg, kl, clip, ratio = sums.tolist()
+        return StepMetrics(
+            step=self.step_count, version=self.version, loss=loss, pg_loss=pg, kl=kl,
+            clip_frac=clip, ratio_mean=ratio, grad_norm=grad_norm, reward_mean=batch.reward_mean,
+            n_rollouts=batch.n_rollouts, n_terms=batch.n_terms, n_tokens=batch.n_tokens,
+            n_micro_batches=n, time_s=time.perf_counter() - started,
+        )
+
+    def _micro_step(self, batch: StepBatch, i: int, scale: float) -> torch.Tensor:
+        terms = batch.terms[i]
+        inputs = batch_tensors(batch.micro_batches[i], terms, self.device)
+        with self._autocast():
+            logp = self.policy(**inputs, chunk_tokens=self.cfg.logprob_chunk_tokens)  # (N,)
+        behaviour = torch.from_numpy(terms.behaviour_logp).to(self.device)
+        adv = torch.from_numpy(batch.advantages[i]).to(self.device)
+        weight = torch.from_numpy(batch.weights[i]).to(self.device, torch.float32) * scale
+        pg, clipped = losses.ppo_token_loss(
+            logp, behaviour, adv, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
+            max_importance_weight=self.cfg.max_importance_weight,
+        )
+        kl = torch.zeros_like(pg)
+        if self.ref is not None:
+            with torch.no_grad(), self._autocast():
+                ref_logp = self.ref(**inputs, chunk_tokens=self.cfg.logprob_chunk_tokens)
+            kl = losses.kl_k3(logp, ref_logp)
+        term_loss = pg + self.cfg.kl_coef * kl
+        loss = (term_loss * weight).sum()
+        (loss * self.world).backward()  # FSDP2 averages over ranks; weights already sum to 1
+        with torch.no_grad():
+            ratio = torch.exp(logp - behaviour)
+            parts = [loss, (pg * weight).sum(), (kl * weight).sum(), (clipped * weight).sum(),
+                     (ratio * weight).sum()]
+            return torch.stack([p.detach().double().cpu() for p in parts])
+
+    def _autocast(self):
+        enabled = self.cfg.dtype == "bfloat16" and self.world == 1
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _clip_and_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ---------------------------------------------------------------------- weights, checkpoint
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under the HF model's own names (what engines load). Collective under
+        FSDP2: every rank must iterate it."""
+        for name, tensor in self.policy.lm.state_dict().items():
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach()
+
+    async def sync_weights(self, sync: Any) -> None:
+        """Push the current weights (rank 0) and stamp them with this learner's version."""
+        pairs = list(self.named_weights())
+        if self.rank == 0:
+            await sync.push(pairs, version=self.version)
+
+    def save(self, directory: str) -> str:
+        return str(save_checkpoint(directory, model=self.policy, optimizer=self.optimizer,
+                                   step=self.step_count, version=self.version))
+
+    def resume(self, directory: str) -> bool:
+        """Load the newest checkpoint under `directory`; False when there is none."""
+        path = latest_checkpoint(directory)
+        if path is None:
+            return False
+        self.step_count, self.version = load_checkpoint(path, model=self.policy, optimizer=self.optimizer)
+        return True

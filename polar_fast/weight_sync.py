@@ -1,0 +1,170 @@
+"""Pushing the learner's weights to the inference engine, behind one `push()`.
+
+- `EngineSync`: hands (name, tensor) pairs to `engine.update_weights(...)` in process (the
+  embedded engine copies them into its model; generation in flight finishes on old weights).
+- `DiskSync`: writes a HF safetensors checkpoint into the directory the engine serves from,
+  then `engine.update_weights(None, version=...)` makes it reload from disk (vLLM: /pause,
+  /collective_rpc reload_weights, /reset_prefix_cache, /resume; embedded: reload its path). The
+  fallback that works with any vLLM build.
+- `VllmTransferSync`: vLLM >= 0.33 dev-mode weight transfer (VLLM_SERVER_DEV_MODE=1,
+  --weight-transfer-config): POST /init_weight_transfer_engine once, then per sync /pause,
+  /start_weight_update, /update_weights with the metadata (names, dtype_names, shapes) while
+  the tensors travel out of band (NCCL broadcast by a `sender`), /finish_weight_update, /resume.
+  The data plane is a pluggable `Sender` so the HTTP part is tested here against a local fake
+  and the NCCL part (needs vLLM and a GPU) is imported only when used.
+
+Every sync ends with the engine's `policy_version` set to the new version, which the proxy
+stamps on every call record it captures afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+import aiohttp
+
+from polar_fast.errors import PolarError
+
+if TYPE_CHECKING:
+    import torch
+
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+
+class WeightSyncError(PolarError):
+    """The engine refused or failed a weight update; the message names the step and reply."""
+
+
+class WeightSync(Protocol):
+    async def push(self, named_tensors: NamedTensors, *, version: int) -> None: ...
+
+
+class EngineSync:
+    """In-process: the engine's own update_weights (embedded engine)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def push(self, named_tensors: NamedTensors, *, version: int) -> None:
+        await self.engine.update_weights(list(named_tensors), version=version)
+
+
+class DiskSync:
+    """Reload from disk: save safetensors into `directory`, then ask the engine to reload."""
+
+    def __init__(self, engine: Any, directory: str | Path) -> None:
+        self.engine = engine
+        self.directory = Path(directory)
+
+    async def push(self, named_tensors: NamedTensors, *, version: int) -> None:
+        await asyncio.to_thread(save_safetensors, named_tensors, self.directory / "model.safetensors")
+        await self.engine.update_weights(None, version=version)
+
+
+def save_safetensors(named_tensors: NamedTensors, path: Path) -> None:
+    """Atomic write (tmp + rename) so a reader never sees half a checkpoint."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses shared storage (tied embeddings): store independent contiguous copies.
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+
+
+class Sender(Protocol):
+    """The out-of-band data plane of a vLLM weight transfer."""
+
+    def init_info(self) -> dict[str, Any]: ...  # JSON sent as init_info
+    async def connect(self) -> None: ...  # runs concurrently with POST /init_weight_transfer_engine
+    async def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None: ...  # with POST /update_weights
+
+
+class VllmTransferSync:
+    """vLLM dev-mode weight-transfer API; see the module docstring for the call sequence."""
+
+    def __init__(
+        self,
+        base_url: str,
+        sender: Sender,
+        *,
+        engine: Any = None,
+        timeout_s: float = 600.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.sender = sender
+        self.engine = engine  # its policy_version is set after each sync (the proxy reads it)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._connected = False
+
+    async def push(self, named_tensors: NamedTensors, *, version: int) -> None:
+        pairs = list(named_tensors)
+        if not self._connected:
+            await asyncio.gather(
+                self._post("/init_weight_transfer_engine", {"init_info": self.sender.init_info()}),
+                self.sender.connect(),
+            )
+            self._connected = True
+        update_info = {
+            "names": [n for n, _ in pairs],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs],
+            "packed": False,
+        }
+        await self._post("/pause", None)
+        try:
+            await self._post("/start_weight_update", {"is_checkpoint_format": True})
+            await asyncio.gather(self._post("/update_weights", {"update_info": update_info}),
+                                 self.sender.send(pairs))
+            await self._post("/finish_weight_update", None)
+        finally:
+            await self._post("/resume", None)
+        if self.engine is not None:
+            self.engine.policy_version = version
+
+    async def _post(self, path: str, body: dict[str, Any] | None) -> None:
+        session = self._session
+        if session is None:
+            session = self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with session.post(self.base_url + path, json=body) as resp:
+                if resp.status >= 400:
+                    text = (await resp.text())[:500]
+                    raise WeightSyncError(f"vLLM {path} answered {resp.status}: {text}")
+        except aiohttp.ClientError as e:
+            raise WeightSyncError(f"vLLM {path} failed: {e}") from e
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class NcclSender:
+    """NCCL broadcast through vLLM's own NCCLWeightTransferEngine (GPU only; imports vLLM lazily).
+
+    The trainer is rank 0 of a group with the vLLM workers (ranks 1..world_size-1)."""
+
+    def __init__(self, *, master_address: str, master_port: int, world_size: int) -> None:
+        self._info = {"master_address": master_address, "master_port": master_port,
+                      "rank_offset": 1, "world_size": world_size}
+        self._group: Any = None
+
+    def init_info(self) -> dict[str, Any]:
+        return dict(self._info)
+
+    async def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self._group = await asyncio.to_thread(NCCLWeightTransferEngine.trainer_init, self._info)
+
+    async def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        args = {"group": self._group, "src": 0, "packed": False}
+        await asyncio.to_thread(NCCLWeightTransferEngine.trainer_send_weights, iter(named_tensors), args)

@@ -1,0 +1,160 @@
+"""Packed forwards (`tree`, `paths`) give the same per-token logprobs and gradients as one
+separate forward per call, on traces with branches: two rollouts sharing a prompt (with an
+extra sample), a compaction that rewrites history, and a sub-agent call with a fresh prompt."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from polar_fast import merge_reference
+from polar_fast.packed_forward import PackedLM, batch_tensors, dense_mask, loss_terms
+from polar_fast.records import CallRecord
+
+
+def merge_impls() -> list:
+    impls = [merge_reference]
+    try:
+        impls.append(importlib.import_module("polar_fast.merge"))
+    except ImportError:  # the Rust extension is not built in this checkout
+        pass
+    return impls
+
+
+def branchy_calls(rng: np.random.Generator, vocab: int, prompt_len: int = 24) -> list[CallRecord]:
+    def ids(n: int) -> list[int]:
+        return rng.integers(3, vocab, n).tolist()
+
+    def call(rid: str, i: int, prompt: list[int], completion: list[int]) -> CallRecord:
+        return CallRecord(session_id=rid, rollout_id=rid, group_id="g", call_index=i, prompt_ids=prompt,
+                          completion_ids=completion, completion_logprobs=(-rng.random(len(completion))).tolist(),
+                          policy_version=0, finish_reason="stop", dialect="chat")
+
+    system = ids(prompt_len)
+    a0 = call("a", 0, system, ids(6))
+    a1 = call("a", 1, system + a0.completion_ids + ids(4), ids(5))  # clean extension
+    a2 = call("a", 2, system[:8] + ids(5), ids(4))  # compaction: history rewritten
+    sub = call("a", 3, ids(10), ids(5))  # sub-agent: a fresh prompt
+    b0 = call("b", 0, system, a0.completion_ids[:2] + ids(3))  # same first samples: extra terms
+    b1 = call("b", 1, system + b0.completion_ids + ids(3), ids(4))
+    return [a0, b0, a1, b1, a2, sub]
+
+
+def per_call_reference(lm, calls: list[CallRecord]) -> tuple[dict, torch.Tensor]:
+    """{(token path, rollout): logprob} and the gradient of the sum over all samples."""
+    lm.zero_grad()
+    out, total = {}, 0.0
+    for c in calls:
+        seq = c.prompt_ids + c.completion_ids
+        logp = lm(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+        n_p = len(c.prompt_ids)
+        for j, token in enumerate(c.completion_ids):
+            value = logp[n_p + j - 1, token]
+            out[(tuple(seq[: n_p + j + 1]), c.rollout_id)] = value.item()
+            total = total + value
+    total.backward()
+    return out, torch.cat([p.grad.flatten() for p in lm.parameters()])
+
+
+def packed_logprobs(lm, merged, batches, chunk_tokens: int) -> tuple[dict, torch.Tensor]:
+    lm.zero_grad()
+    wrapper = PackedLM(lm)
+    out, total = {}, 0.0
+    for mb in batches:
+        terms = loss_terms(mb)
+        logp = wrapper(**batch_tensors(mb, terms, "cpu"), chunk_tokens=chunk_tokens)
+        for pos, r, value in zip(terms.position, terms.rollout, logp.tolist()):
+            chain = [int(pos)]
+            while mb.parent[chain[-1]] >= 0:
+                chain.append(int(mb.parent[chain[-1]]))
+            key = (tuple(int(mb.tokens[i]) for i in reversed(chain)), merged.rollout_ids[r])
+            assert key not in out, "a sample counted twice"
+            out[key] = value
+        total = total + logp.sum()
+    total.backward()
+    return out, torch.cat([p.grad.flatten() for p in lm.parameters()])
+
+
+def tiny_llama(attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation=attn)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def test_dense_mask_is_ancestor_rule():
+    # tree: 0 -> 1 -> {2, 3}; node 1's subtree has size 3
+    size = torch.tensor([4, 3, 1, 1])
+    m = dense_mask(size)[0, 0]
+    assert m.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, False, True],  # 3 sees its ancestors 0, 1 but not its sibling 2
+    ]
+
+
+@pytest.mark.parametrize("impl", merge_impls(), ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+@pytest.mark.parametrize(("max_tokens", "attn"), [(4096, "sdpa"), (40, "sdpa"), (4096, "eager")])
+def test_packed_equals_per_call_tiny(impl, layout, max_tokens, attn):
+    lm = tiny_llama(attn)
+    calls = branchy_calls(np.random.default_rng(1), lm.config.vocab_size)
+    ref, ref_grad = per_call_reference(lm, calls)
+    merged = impl.merge(calls, layout=layout)
+    batches = impl.pack(merged, max_tokens=max_tokens)
+    got, grad = packed_logprobs(lm, merged, batches, chunk_tokens=5)
+    assert set(got) == set(ref)
+    assert max(abs(got[k] - ref[k]) for k in ref) < 1e-5
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
+    if layout == "tree" and max_tokens == 4096:
+        assert merged.stats.n_extra_samples == 2 and merged.stats.n_breaks >= 2
+        assert len(merged.tokens) < sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from polar_fast.model import load_model
+
+    return load_model().eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+def test_packed_equals_per_call_smollm2(smollm2, layout):
+    from polar_fast.model import load_tokenizer
+
+    tok = load_tokenizer()
+    text = tok.apply_chat_template([{"role": "system", "content": "You are a coding agent."},
+                                    {"role": "user", "content": "Fix the failing test in foo.py"}],
+                                   add_generation_prompt=True, tokenize=False)
+    system = tok(text, add_special_tokens=False)["input_ids"]
+    rng = np.random.default_rng(2)
+    calls = branchy_calls(rng, 1000, prompt_len=8)
+    calls = [msgspec_replace(c, prompt_ids=list(system) + c.prompt_ids) if c.call_index != 3 else c for c in calls]
+    ref, ref_grad = per_call_reference(smollm2, calls)
+    merged = merge_reference.merge(calls, layout=layout)
+    got, grad = packed_logprobs(smollm2, merged, merge_reference.pack(merged, max_tokens=4096), 16)
+    assert set(got) == set(ref)
+    assert max(abs(got[k] - ref[k]) for k in ref) < 1e-4
+    torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-3)
+
+
+def msgspec_replace(call: CallRecord, **changes) -> CallRecord:
+    import msgspec
+
+    return msgspec.structs.replace(call, **changes)
+
+
+def test_term_at_sequence_root_is_rejected():
+    mb = merge_reference.pack(merge_reference.merge(branchy_calls(np.random.default_rng(0), 50)), max_tokens=4096)[0]
+    terms = loss_terms(mb)
+    bad = terms._replace(position=np.array([0]))
+    with pytest.raises(ValueError, match="sequence root"):
+        batch_tensors(mb, bad, "cpu")
