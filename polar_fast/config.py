@@ -137,6 +137,8 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa (explicit mask) on CPU
+    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
 
 
 class RunConfig(_Section):
