@@ -173,12 +173,7 @@ class DockerSandbox:
             if e.status == 404:
                 raise FileNotFoundError(f"{path}: not in container {self.id[:12]}") from None
             raise SandboxError(f"container {self.id[:12]}: copy out failed: {e.message}") from None
-        with tar:
-            member = tar.next()
-            fileobj = tar.extractfile(member) if member is not None else None
-            if fileobj is None:
-                raise IsADirectoryError(f"{path}: not a regular file")
-            return fileobj.read()
+        return await anyio.to_thread.run_sync(_first_file, tar, path)
 
     async def copy_dir_in(self, source: str, target: str) -> None:
         def pack() -> bytes:
@@ -217,7 +212,8 @@ class DockerSandboxFactory:
     @property
     def docker(self) -> aiodocker.Docker:
         if self._docker is None:  # created lazily: aiodocker binds to the running loop
-            self._docker = aiodocker.Docker()
+            # an explicit url: otherwise the constructor stats sockets and reads ~/.docker on the loop
+            self._docker = aiodocker.Docker(url=os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock")
         return self._docker
 
     async def image_for(self, spec: SandboxSpec) -> str:
@@ -311,6 +307,15 @@ class DockerSandboxFactory:
         if self._docker is not None and self._own_client:
             await self._docker.close()
             self._docker = None
+
+
+def _first_file(tar: tarfile.TarFile, path: str) -> bytes:
+    with tar:  # aiodocker hands back a tarfile over a spooled temp file: read it off the loop
+        member = tar.next()
+        fileobj = tar.extractfile(member) if member is not None else None
+        if fileobj is None:
+            raise IsADirectoryError(f"{path}: not a regular file")
+        return fileobj.read()
 
 
 async def _read_stream(stream, out: bytearray, err: bytearray) -> None:

@@ -1,0 +1,402 @@
+"""The three worker pools: boot -> agent -> eval, joined by bounded queues.
+
+    pools = Pools(cfg.pools, factory, agent, agent_timeout_s=cfg.harness.timeout_s)
+    await pools.run(tasks, on_group)   # on_group(RolloutGroup) is awaited once per finished group
+
+- boot: `boot_workers` create + start + prepare a sandbox (the task repo at base_commit, history
+  scrubbed). A box token is held from boot until the agent is done with the box; there are
+  `agent_workers + prewarm` tokens, so `prewarm` sandboxes are booted ahead of demand and no more.
+- agent: `agent_workers` run the agent runner (a harness, or a scripted command in tests) with a
+  hard timeout that kills its process tree, collect the diff, remove the box.
+- eval: `eval_workers` score the diff in a fresh sandbox from the same image (reward.py), so long
+  test runs never hold an agent slot.
+Each task yields one group of `group_size` rollouts; `on_group` receives a group when all its
+rollouts have a final record. A slow `on_group` fills the queues behind it and finally stops the
+producer: backpressure all the way to the task list.
+
+Outcomes: ok (reward from the tests), agent_error and timeout (reward 0, no eval), infra_error
+(sandbox died or would not boot, evaluation sandbox failed): retried up to `infra_retries` times
+with a fresh sandbox and a new rollout id (`<id>.a<attempt>`, so calls captured during a failed
+attempt never join the group), then recorded with reward None, never as 0.
+
+Structure: every worker lives in one anyio task group; streams are closed in order so workers
+exit when their input ends. The boot queue accepts retries without blocking (its new-job part is
+bounded by a semaphore), which keeps the retry path free of cycles. Boxes waiting in a queue are
+owned by the pools and removed in `run`'s shielded finally, so cancelling a run mid-way (or an
+error, or Ctrl-C) leaves no sandbox behind.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+import time
+from typing import Any, Awaitable, Callable, Iterable, Protocol
+
+import anyio
+import msgspec
+
+from polar_fast.config import PoolsConfig
+from polar_fast.records import Outcome, RolloutRecord
+from polar_fast.reward import EvalResult, evaluate
+from polar_fast.sandboxes import SandboxError, SandboxSpec
+from polar_fast.tasks import Task, TaskError, prepare_repo, repo_diff
+
+HISTOGRAM_BOUNDS_S = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000)  # upper bucket edges, seconds
+INFRA_ERRORS = (SandboxError, TaskError, TimeoutError, OSError)
+KILL_GRACE_S = 30.0  # past the agent's own timeout, the pool cancels the run itself
+
+
+# ---------------------------------------------------------------------------------- agent runners
+
+
+class AgentResult(msgspec.Struct, frozen=True, kw_only=True):
+    exit_code: int
+    timed_out: bool = False
+    n_calls: int = 0  # model calls the proxy captured for this rollout
+    infra_error: str = ""  # set when the agent could not run for reasons outside it (engine down)
+    output_tail: str = ""
+
+
+class AgentRunner(Protocol):
+    name: str
+
+    def spec(self, task: Task, rollout_id: str) -> SandboxSpec: ...
+
+    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult: ...
+
+
+class CommandAgent:
+    """A scripted agent: one shell command in the task repo (tests, dry runs; no model)."""
+
+    def __init__(self, script: str | Callable[[Task], str], *, name: str = "scripted") -> None:
+        self.script = script
+        self.name = name
+
+    def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
+        return SandboxSpec(name=rollout_id, image=task.image)
+
+    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
+        script = self.script(task) if callable(self.script) else self.script
+        env = {"POLAR_ROLLOUT_ID": rollout_id, "POLAR_GROUP_ID": group_id}
+        done = await box.exec(["sh", "-c", script], env=env, cwd=box.workdir, timeout_s=timeout_s)
+        return AgentResult(exit_code=done.exit_code, timed_out=done.timed_out,
+                           output_tail=(done.stdout[-1000:] + done.stderr[-1000:]))
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+class StageStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    workers: int
+    running: int  # items being worked on now
+    queued: int  # items waiting in this stage's input queue
+    completed: int
+    failed: int  # items that ended in an infra error at this stage
+    busy_fraction: float  # worker-seconds busy / (workers * seconds since start)
+    oldest_running_s: float
+    histogram: list[int]  # counts per HISTOGRAM_BOUNDS_S bucket, last = above the top edge
+    mean_s: float
+
+
+class PoolsStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    boot: StageStatistics
+    agent: StageStatistics
+    eval: StageStatistics
+    groups_done: int
+    rollouts_done: int
+    retries: int
+    elapsed_s: float
+
+
+class _Stage:
+    def __init__(self, name: str, workers: int, clock: Callable[[], float]) -> None:
+        self.name, self.workers, self.clock = name, workers, clock
+        self.started_at = clock()
+        self.running: dict[int, float] = {}
+        self.busy_s = 0.0
+        self.completed = self.failed = 0
+        self.histogram = [0] * (len(HISTOGRAM_BOUNDS_S) + 1)
+        self.total_s = 0.0
+        self._next = 0
+        self.queue: Any = None  # a memory stream, for its buffer statistics
+
+    @contextlib.contextmanager
+    def busy(self):
+        key, self._next = self._next, self._next + 1
+        self.running[key] = self.clock()
+        try:
+            yield
+        finally:
+            duration = self.clock() - self.running.pop(key)
+            self.busy_s += duration
+            self.total_s += duration
+            self.completed += 1
+            self.histogram[bisect.bisect_left(HISTOGRAM_BOUNDS_S, duration)] += 1
+
+    def statistics(self) -> StageStatistics:
+        now = self.clock()
+        elapsed = max(now - self.started_at, 1e-9)
+        busy = self.busy_s + sum(now - t for t in self.running.values())
+        queued = self.queue.statistics().current_buffer_used if self.queue is not None else 0
+        return StageStatistics(
+            name=self.name, workers=self.workers, running=len(self.running), queued=queued,
+            completed=self.completed, failed=self.failed,
+            busy_fraction=min(busy / (self.workers * elapsed), 1.0),
+            oldest_running_s=max((now - t for t in self.running.values()), default=0.0),
+            histogram=list(self.histogram), mean_s=self.total_s / self.completed if self.completed else 0.0,
+        )
+
+
+# ----------------------------------------------------------------------------------------- pools
+
+
+class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
+    group_id: str
+    task: Task
+    rollouts: list[RolloutRecord]  # in rollout order; infra_error ones have reward None
+    diffs: dict[str, str]  # rollout id -> the agent's diff (ok rollouts)
+    evals: dict[str, EvalResult]  # rollout id -> per-test results (ok rollouts)
+
+
+class _Job(msgspec.Struct, kw_only=True):
+    task: Task
+    group_id: str
+    index: int  # position in the group
+    attempt: int = 0
+    started_at: float = 0.0
+
+    @property
+    def rollout_id(self) -> str:
+        base = f"{self.group_id}-r{self.index}"
+        return base if self.attempt == 0 else f"{base}.a{self.attempt}"
+
+
+class _Final(msgspec.Struct, kw_only=True):
+    job: _Job
+    record: RolloutRecord
+    diff: str = ""
+    eval: EvalResult | None = None
+
+
+class Pools:
+    def __init__(
+        self,
+        cfg: PoolsConfig,
+        factory: Any,
+        agent: AgentRunner,
+        *,
+        agent_timeout_s: float,
+        eval_factory: Any = None,
+        prepare: Callable[[Any, Task], Awaitable[None]] = prepare_repo,
+        collect_diff: Callable[[Any, Task], Awaitable[str]] | None = None,
+        score: Callable[..., Awaitable[EvalResult]] = evaluate,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.factory = factory
+        self.eval_factory = eval_factory or factory
+        self.agent = agent
+        self.agent_timeout_s = agent_timeout_s
+        self.prepare = prepare
+        self.collect_diff = collect_diff or (lambda box, task: repo_diff(box, task.base_commit))
+        self.score = score
+        self.clock = clock
+        self._stages = {n: _Stage(n, w, clock) for n, w in
+                        (("boot", cfg.boot_workers), ("agent", cfg.agent_workers), ("eval", cfg.eval_workers))}
+        self._live: set[Any] = set()  # booted boxes not yet removed
+        self._groups_done = self._rollouts_done = self._retries = 0
+        self._started_at = clock()
+
+    def statistics(self) -> PoolsStatistics:
+        return PoolsStatistics(
+            boot=self._stages["boot"].statistics(), agent=self._stages["agent"].statistics(),
+            eval=self._stages["eval"].statistics(), groups_done=self._groups_done,
+            rollouts_done=self._rollouts_done, retries=self._retries, elapsed_s=self.clock() - self._started_at,
+        )
+
+    async def run(self, tasks: Iterable[Task], on_group: Callable[[RolloutGroup], Awaitable[None]]) -> None:
+        cfg = self.cfg
+        self._started_at = self.clock()
+        for stage in self._stages.values():
+            stage.started_at = self._started_at
+        self._boot_tx, boot_rx = anyio.create_memory_object_stream[_Job](math.inf)
+        self._new_slots = anyio.Semaphore(cfg.queue_size)
+        self._box_tokens = anyio.Semaphore(cfg.agent_workers + cfg.prewarm)
+        ready_tx, ready_rx = anyio.create_memory_object_stream[tuple](cfg.agent_workers + cfg.prewarm)
+        eval_tx, eval_rx = anyio.create_memory_object_stream[tuple](cfg.queue_size)
+        done_tx, done_rx = anyio.create_memory_object_stream[_Final](cfg.queue_size)
+        self._stages["boot"].queue, self._stages["agent"].queue = boot_rx, ready_rx
+        self._stages["eval"].queue = eval_rx
+        self._unfinished = 0
+        self._producer_done = False
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._grouper, done_rx, on_group)
+                tg.start_soon(self._producer, tasks)
+                for _ in range(cfg.boot_workers):
+                    tg.start_soon(self._boot_worker, boot_rx.clone(), ready_tx.clone(), done_tx.clone())
+                for _ in range(cfg.agent_workers):
+                    tg.start_soon(self._agent_worker, ready_rx.clone(), eval_tx.clone(), done_tx.clone())
+                for _ in range(cfg.eval_workers):
+                    tg.start_soon(self._eval_worker, eval_rx.clone(), done_tx.clone())
+                for stream in (boot_rx, ready_tx, ready_rx, eval_tx, eval_rx, done_tx):
+                    stream.close()  # only the workers' clones keep each stream open
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._boot_tx.close()
+                for stream in (ready_rx, eval_rx, done_rx):
+                    stream.close()
+                await self._remove_live()
+
+    # -------------------------------------------------------------------------- producer + grouper
+
+    async def _producer(self, tasks: Iterable[Task]) -> None:
+        for n, task in enumerate(tasks):
+            group_id = f"{task.instance_id}-g{n}"
+            for index in range(self.cfg.group_size):
+                await self._new_slots.acquire()
+                self._unfinished += 1
+                self._boot_tx.send_nowait(_Job(task=task, group_id=group_id, index=index, started_at=self.clock()))
+        self._producer_done = True
+        self._maybe_close_boot()
+
+    def _maybe_close_boot(self) -> None:
+        if self._producer_done and self._unfinished == 0:
+            self._boot_tx.close()  # every rollout is final: the stages wind down in order
+
+    async def _grouper(self, done_rx, on_group) -> None:
+        pending: dict[str, dict[int, _Final]] = {}
+        async with done_rx:
+            async for final in done_rx:
+                group = pending.setdefault(final.job.group_id, {})
+                group[final.job.index] = final
+                self._rollouts_done += 1
+                if len(group) == self.cfg.group_size:
+                    del pending[final.job.group_id]
+                    finals = [group[i] for i in range(self.cfg.group_size)]
+                    await on_group(RolloutGroup(
+                        group_id=final.job.group_id, task=final.job.task,
+                        rollouts=[f.record for f in finals],
+                        diffs={f.record.rollout_id: f.diff for f in finals if f.eval is not None},
+                        evals={f.record.rollout_id: f.eval for f in finals if f.eval is not None},
+                    ))
+                    self._groups_done += 1
+                self._unfinished -= 1
+                self._maybe_close_boot()
+
+    def _record(self, job: _Job, outcome: Outcome, *, reward: float | None, n_calls: int = 0, error: str = "") -> RolloutRecord:
+        return RolloutRecord(
+            rollout_id=job.rollout_id, group_id=job.group_id, task_id=job.task.instance_id,
+            harness=self.agent.name, outcome=outcome, reward=reward, n_calls=n_calls,
+            duration_s=self.clock() - job.started_at, attempt=job.attempt, error=error[-1000:],
+        )
+
+    async def _infra(self, job: _Job, stage: str, error: BaseException | str, done_tx) -> None:
+        """Retry with a fresh sandbox, or record the infra error (reward None) when out of tries."""
+        self._stages[stage].failed += 1
+        message = f"{stage}: {error if isinstance(error, str) else f'{type(error).__name__}: {error}'}"
+        if job.attempt < self.cfg.infra_retries:
+            self._retries += 1
+            self._boot_tx.send_nowait(_Job(task=job.task, group_id=job.group_id, index=job.index,
+                                           attempt=job.attempt + 1, started_at=job.started_at))
+        else:
+            await done_tx.send(_Final(job=job, record=self._record(job, Outcome.INFRA_ERROR, reward=None, error=message)))
+
+    # --------------------------------------------------------------------------------------- stages
+
+    async def _boot_worker(self, boot_rx, ready_tx, done_tx) -> None:
+        async with boot_rx, ready_tx, done_tx:
+            async for job in boot_rx:
+                if job.attempt == 0:
+                    self._new_slots.release()
+                await self._box_tokens.acquire()
+                box = None
+                try:
+                    with self._stages["boot"].busy(), anyio.fail_after(self.cfg.boot_timeout_s):
+                        box = await self.factory.create(self.agent.spec(job.task, job.rollout_id))
+                        self._live.add(box)
+                        await self.prepare(box, job.task)
+                except INFRA_ERRORS as e:
+                    if box is not None:
+                        await self._remove(box)
+                    self._box_tokens.release()
+                    await self._infra(job, "boot", e, done_tx)
+                    continue
+                await ready_tx.send((job, box))
+
+    async def _agent_worker(self, ready_rx, eval_tx, done_tx) -> None:
+        async with ready_rx, eval_tx, done_tx:
+            async for job, box in ready_rx:
+                try:
+                    with self._stages["agent"].busy():
+                        outcome, result, diff = await self._run_agent(job, box)
+                finally:
+                    await self._remove(box)
+                    self._box_tokens.release()
+                if isinstance(outcome, BaseException) or result.infra_error:
+                    await self._infra(job, "agent", outcome if isinstance(outcome, BaseException) else result.infra_error, done_tx)
+                elif outcome is Outcome.OK:
+                    await eval_tx.send((job, result, diff))
+                else:
+                    error = "agent timed out" if outcome is Outcome.TIMEOUT else f"agent exited {result.exit_code}"
+                    record = self._record(job, outcome, reward=0.0, n_calls=result.n_calls, error=error)
+                    await done_tx.send(_Final(job=job, record=record))
+
+    async def _run_agent(self, job: _Job, box) -> tuple[Outcome | BaseException, AgentResult, str]:
+        timeout_s = self.agent_timeout_s
+        result = AgentResult(exit_code=-1, timed_out=True)
+        try:
+            with anyio.move_on_after(timeout_s + KILL_GRACE_S):
+                result = await self.agent.run(box, job.task, rollout_id=job.rollout_id,
+                                              group_id=job.group_id, timeout_s=timeout_s)
+            if result.timed_out:
+                return Outcome.TIMEOUT, result, ""
+            if result.exit_code != 0 or result.infra_error:
+                return Outcome.AGENT_ERROR, result, ""
+            return Outcome.OK, result, await self.collect_diff(box, job.task)
+        except INFRA_ERRORS as e:
+            return e, result, ""
+
+    async def _eval_worker(self, eval_rx, done_tx) -> None:
+        async with eval_rx, done_tx:
+            async for job, agent_result, diff in eval_rx:
+                scored = await self._evaluate_with_retries(job, diff)
+                if isinstance(scored, EvalResult):
+                    record = self._record(job, Outcome.OK, reward=scored.reward, n_calls=agent_result.n_calls,
+                                          error=scored.error)
+                    await done_tx.send(_Final(job=job, record=record, diff=diff, eval=scored))
+                else:  # the diff is kept, so only the evaluation is retried, never the agent
+                    error = f"eval: {type(scored).__name__}: {scored}"
+                    record = self._record(job, Outcome.INFRA_ERROR, reward=None, n_calls=agent_result.n_calls, error=error)
+                    await done_tx.send(_Final(job=job, record=record, diff=diff))
+
+    async def _evaluate_with_retries(self, job: _Job, diff: str) -> EvalResult | BaseException:
+        for attempt in range(self.cfg.infra_retries + 1):
+            try:
+                with self._stages["eval"].busy():
+                    return await self._evaluate(job, diff)
+            except INFRA_ERRORS as e:
+                self._stages["eval"].failed += 1
+                if attempt == self.cfg.infra_retries:
+                    return e
+                self._retries += 1
+        raise AssertionError("unreachable")
+
+    async def _evaluate(self, job: _Job, diff: str) -> EvalResult:
+        with anyio.fail_after(self.cfg.eval_timeout_s + KILL_GRACE_S):
+            spec = SandboxSpec(name=f"{job.rollout_id}-eval", image=job.task.image)
+            async with self.eval_factory.open(spec) as box:
+                return await self.score(box, job.task, diff, timeout_s=self.cfg.eval_timeout_s)
+
+    async def _remove(self, box) -> None:
+        self._live.discard(box)
+        await box.remove()
+
+    async def _remove_live(self) -> None:
+        boxes, self._live = list(self._live), set()
+        async with anyio.create_task_group() as tg:
+            for box in boxes:
+                tg.start_soon(box.remove)

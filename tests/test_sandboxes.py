@@ -1,0 +1,152 @@
+"""Both sandbox backends against the same behaviour: exec, files, timeouts that kill the whole
+process tree, removal on exit and cancellation. Docker cases run against the real Engine."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import anyio
+import pytest
+
+import polar_fast.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
+from polar_fast.config import SandboxConfig
+from polar_fast.sandboxes import SandboxError, SandboxSpec, make_sandbox_factory, sandbox_class
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["local", "docker"])
+def kind(request):
+    if request.param == "docker":
+        request.getfixturevalue("base_image")
+    return request.param
+
+
+@pytest.fixture
+async def factory(kind):
+    f = make_sandbox_factory(SandboxConfig(kind=kind, cpus=1.0, memory_mb=512, pids_limit=128),
+                             run_id=f"t-{uuid.uuid4().hex[:8]}")
+    yield f
+    await f.remove_leftovers()
+    await f.aclose()
+
+
+async def _processes_matching(box, kind: str, needle: str) -> list[str]:
+    """Live (non-zombie) processes whose command line contains needle, in the box's view."""
+    if kind == "docker":
+        done = await box.exec(["ps", "-eo", "stat=,args="])
+        lines = done.stdout.splitlines()
+    else:
+        def scan() -> list[str]:
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        args = f.read().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                found.append(f"{state} {args}")
+            return found
+
+        lines = await anyio.to_thread.run_sync(scan)
+    return [line for line in lines if needle in line and not line.lstrip().startswith("Z")]
+
+
+async def test_exec_output_exit_code_env_and_cwd(factory):
+    async with factory.open(SandboxSpec(name="exec", env={"FROM_SPEC": "s"})) as box:
+        done = await box.exec(["sh", "-c", 'echo "$FROM_SPEC$FROM_CALL"; pwd; echo oops >&2; exit 3'],
+                              env={"FROM_CALL": "c"})
+        assert done.exit_code == 3 and not done.timed_out
+        assert done.stdout.splitlines() == ["sc", box.workdir]
+        assert done.stderr == "oops\n"
+        piped = await box.exec(["cat"], stdin=b"through stdin")
+        assert piped.stdout == "through stdin"
+        missing = await box.exec(["no-such-program-xyz"])
+        assert missing.exit_code != 0
+
+
+async def test_files_round_trip(factory):
+    async with factory.open(SandboxSpec()) as box:
+        await box.write_files({"pkg/a.txt": "text", f"{box.home}/.config/x.json": b"\x00\x01"})
+        assert await box.read_file("pkg/a.txt") == b"text"
+        assert await box.read_file(f"{box.home}/.config/x.json") == b"\x00\x01"
+        listed = await box.exec(["cat", "pkg/a.txt"])
+        assert listed.stdout == "text"
+        with pytest.raises(FileNotFoundError):
+            await box.read_file("nope.txt")
+
+
+async def test_timeout_kills_the_whole_process_tree(factory, kind):
+    tag = str(700000 + uuid.uuid4().int % 100000)  # a sleep length no other process uses
+    async with factory.open(SandboxSpec()) as box:
+        script = f"(setsid sleep {tag} &); sleep {tag} & sh -c 'sleep {tag}'"
+        done = await box.exec(["sh", "-c", script], timeout_s=1.0)
+        assert done.timed_out and done.exit_code != 0
+        assert await _processes_matching(box, kind, f"sleep {tag}") == []
+        after = await box.exec(["echo", "still usable"])
+        assert after.stdout == "still usable\n"
+
+
+async def test_cancellation_removes_the_sandbox_and_its_processes(factory, kind):
+    tag = str(800000 + uuid.uuid4().int % 100000)
+    seen = {}
+    with anyio.move_on_after(2.0):
+        async with factory.open(SandboxSpec()) as box:
+            seen["box"] = box
+            await box.exec(["sh", "-c", f"sleep {tag} & sleep {tag}"])
+    box = seen["box"]
+    assert not await box.alive()
+    if kind == "local":
+        assert await _processes_matching(box, kind, f"sleep {tag}") == []
+    assert await factory.remove_leftovers() == 0
+
+
+async def test_remove_leftovers_finds_sandboxes_by_run_id(factory):
+    await factory.create(SandboxSpec(name="left-1"))
+    await factory.create(SandboxSpec(name="left-2"))
+    assert await factory.remove_leftovers() == 2
+    assert await factory.remove_leftovers() == 0
+
+
+async def test_unknown_kind_is_a_clear_error():
+    with pytest.raises(SandboxError, match="known: docker, local"):
+        sandbox_class("podman")
+
+
+@pytest.mark.docker
+async def test_docker_limits_labels_and_no_network(base_image):
+    from polar_fast.sandboxes import RUN_LABEL
+
+    run_id = f"t-{uuid.uuid4().hex[:8]}"
+    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=0.5, memory_mb=256, pids_limit=64), run_id=run_id)
+    try:
+        async with f.open(SandboxSpec(name="limits")) as box:
+            info = await box.container.show()
+            host = info["HostConfig"]
+            assert host["Privileged"] is False and host["NetworkMode"] == "none"
+            assert host["NanoCpus"] == 500_000_000 and host["Memory"] == 256 << 20 and host["PidsLimit"] == 64
+            assert info["Config"]["Labels"][RUN_LABEL] == run_id
+            links = await box.exec(["sh", "-c", "ls /sys/class/net"])
+            assert links.stdout.split() == ["lo"]
+            fork_bomb = await box.exec(["sh", "-c", "for i in $(seq 200); do sleep 30 & done; wait"], timeout_s=5)
+            assert "fork" in fork_bomb.stderr.lower() or "resource" in fork_bomb.stderr.lower()
+        assert await f.list_run() == []
+    finally:
+        await f.remove_leftovers()
+        await f.aclose()
+
+
+@pytest.mark.docker
+async def test_docker_dead_container_is_a_sandbox_error(base_image):
+    f = make_sandbox_factory(SandboxConfig(kind="docker"), run_id=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        async with f.open(SandboxSpec()) as box:
+            await box.container.kill()
+            with pytest.raises(SandboxError):
+                await box.exec(["true"])
+    finally:
+        await f.remove_leftovers()
+        await f.aclose()
