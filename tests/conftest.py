@@ -47,3 +47,11 @@ def docker_required() -> None:
     if os.environ.get("POLAR_REQUIRE_DOCKER"):
         pytest.fail("POLAR_REQUIRE_DOCKER is set but no Docker Engine answers `docker info`")
     pytest.skip("no Docker Engine (set POLAR_REQUIRE_DOCKER=1 to make this a failure)")
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_required) -> str:
+    """The built-in Debian image (python3, git), built once and cached by recipe hash."""
+    from polar_fast.sandboxes.images import ensure_base_image
+
+    return ensure_base_image()
