@@ -238,14 +238,16 @@ class Learner:
                    merge_impl=merge_impl)
 
     def _shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.cfg.dtype == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in self.policy.lm.get_decoder().layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(self.policy, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self.policy, mesh=mesh, mp_policy=mp)
 
     # ------------------------------------------------------------------------------- the step
 

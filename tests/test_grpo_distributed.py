@@ -1,0 +1,72 @@
+"""torchrun with 2 CPU processes (gloo) + FSDP2: one step matches the single-process step.
+
+The test launches this same file as the torchrun worker (see `__main__` at the bottom)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _step(world_learner_factory):
+    from polar_fast.records import Outcome, RolloutRecord
+    from test_packed_forward import branchy_calls
+
+    calls = branchy_calls(np.random.default_rng(11), 211)
+    rollouts = [RolloutRecord(rollout_id=r, group_id="g", task_id="t", harness="h", outcome=Outcome.OK,
+                              reward=v) for r, v in (("a", 1.0), ("b", 0.0))]
+    lrn = world_learner_factory()
+    metrics = lrn.step(calls, rollouts)
+    weights = {name: t.clone() for name, t in lrn.named_weights()}
+    return lrn, metrics, weights
+
+
+def _factory():
+    from polar_fast import merge_reference
+    from polar_fast.config import LearnerConfig
+    from polar_fast.grpo import Learner
+    from test_packed_forward import tiny_llama
+
+    # max_tokens 40 -> several micro-batches, an odd count, so one rank runs a filler pass
+    return lambda: Learner(LearnerConfig(lr=1e-3), tiny_llama(), layout="tree", max_tokens=40,
+                           merge_impl=merge_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_match_single_process(tmp_path):
+    out = tmp_path / "rank0.pt"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", str(Path(__file__)), str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dist_result = torch.load(out)
+
+    lrn, metrics, weights = _step(_factory())
+    assert metrics.n_micro_batches % 2 == 1
+    assert dist_result["loss"] == pytest.approx(metrics.loss, abs=1e-6)
+    assert dist_result["grad_norm"] == pytest.approx(metrics.grad_norm, rel=1e-4)
+    assert set(dist_result["weights"]) == set(weights)
+    for name, t in weights.items():
+        torch.testing.assert_close(dist_result["weights"][name], t, atol=1e-6, rtol=0)
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    lrn, metrics, weights = _step(_factory())
+    assert lrn.world == 2
+    if dist.get_rank() == 0:
+        torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "weights": weights}, sys.argv[1])
+    dist.destroy_process_group()
