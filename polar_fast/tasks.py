@@ -135,6 +135,8 @@ def _validate(rows: Iterable[Any], source: str) -> Iterator[Task]:
 
 def _rows(source: str, split: str) -> Iterator[Any]:
     path = Path(source)
+    if not path.exists():
+        raise TaskError(f"task source {source!r} does not exist (use 'builtin', .jsonl, .parquet or a dir)")
     if path.is_dir():
         yield from _dataset_rows(path, split)
     elif path.suffix == ".jsonl":
@@ -143,8 +145,6 @@ def _rows(source: str, split: str) -> Iterator[Any]:
         import pyarrow.parquet as pq
 
         yield from pq.read_table(path).to_pylist()
-    elif not path.exists():
-        raise TaskError(f"task source {source!r} does not exist (use 'builtin', .jsonl, .parquet or a dir)")
     else:
         raise TaskError(f"task source {source!r}: unknown format (use .jsonl, .parquet or a datasets dir)")
 
