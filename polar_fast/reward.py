@@ -33,8 +33,6 @@ _UNITTEST = re.compile(
 _UNITTEST_WORDS = {"ok": PASSED, "unexpected success": FAILED, "FAIL": FAILED, "ERROR": ERROR,
                    "skipped": SKIPPED, "expected failure": SKIPPED}
 _RANK = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}  # a test reported twice keeps its worst status
-DIFF_PATH = "/tmp/polar-agent.diff"
-TEST_PATCH_PATH = "/tmp/polar-test.patch"
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,9 +71,10 @@ def score(task: Task, statuses: dict[str, str]) -> tuple[float, list[str]]:
 async def evaluate(box, task: Task, diff: str, *, timeout_s: float = 1800.0) -> EvalResult:
     """Apply `diff` and the test patch in `box` (fresh, from the task's image) and score it."""
     await prepare_repo(box, task)
+    diff_path, test_patch_path = f"{box.home}/agent.diff", f"{box.home}/test.patch"  # private per box
     if diff.strip():
-        await box.write_files({DIFF_PATH: diff})
-        applied = await box.exec(["git", "apply", "--binary", "--whitespace=nowarn", DIFF_PATH], timeout_s=120)
+        await box.write_files({diff_path: diff})
+        applied = await box.exec(["git", "apply", "--binary", "--whitespace=nowarn", diff_path], timeout_s=120)
         if applied.exit_code != 0:
             return _unscored(task, f"agent diff did not apply: {applied.stderr.strip()[-500:]}")
     restore = (
@@ -86,8 +85,8 @@ async def evaluate(box, task: Task, diff: str, *, timeout_s: float = 1800.0) -> 
     done = await box.exec(["sh", "-c", restore, "restore", task.base_commit, *task.test_files()], timeout_s=120)
     if done.exit_code != 0:
         return _unscored(task, f"restoring test files failed: {done.stderr.strip()[-500:]}")
-    await box.write_files({TEST_PATCH_PATH: task.test_patch})
-    applied = await box.exec(["git", "apply", "--binary", "--whitespace=nowarn", TEST_PATCH_PATH], timeout_s=120)
+    await box.write_files({test_patch_path: task.test_patch})
+    applied = await box.exec(["git", "apply", "--binary", "--whitespace=nowarn", test_patch_path], timeout_s=120)
     if applied.exit_code != 0:
         return _unscored(task, f"test patch did not apply on top of the agent's diff: {applied.stderr.strip()[-500:]}")
     run = await box.exec(["sh", "-c", task.shell_test_command()], timeout_s=timeout_s)

@@ -40,6 +40,10 @@ class LocalSandbox:
         self._mounts = {m.target: m.source for m in spec.mounts}
         self._removed = False
 
+    def _check(self) -> None:
+        if self._removed:
+            raise SandboxError(f"sandbox {self.root} was removed")
+
     def path(self, target: str) -> str:
         if target in self._mounts:
             return self._mounts[target]
@@ -57,8 +61,7 @@ class LocalSandbox:
         timeout_s: float | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
-        if self._removed:
-            raise SandboxError(f"sandbox {self.root} was removed")
+        self._check()
         marker = uuid.uuid4().hex
         full_env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -106,16 +109,19 @@ class LocalSandbox:
         )
 
     async def write_files(self, files: dict[str, str | bytes], *, mode: int = 0o644) -> None:
+        self._check()
         items = {self._abs(p): c.encode() if isinstance(c, str) else c for p, c in files.items()}
         await anyio.to_thread.run_sync(_write_files, items, mode)
 
     async def read_file(self, path: str) -> bytes:
+        self._check()
         try:
             return await anyio.Path(self._abs(path)).read_bytes()
         except OSError as e:
             raise FileNotFoundError(f"{path}: {e.strerror}") from None
 
     async def copy_dir_in(self, source: str, target: str) -> None:
+        self._check()
         await anyio.to_thread.run_sync(
             lambda: shutil.copytree(source, self._abs(target), dirs_exist_ok=True, symlinks=True)
         )
