@@ -23,7 +23,10 @@ import asyncio
 import ipaddress
 import logging
 import math
+import os
 import secrets
+import socket
+import stat
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -412,6 +415,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _bind_unix(path: str) -> socket.socket:
+    if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+        os.unlink(path)  # a stale socket from an earlier run
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    return sock
+
+
 @dataclass(eq=False)
 class Proxy:
     """A running proxy: where it listens and its state (sessions, engine, recorder)."""
@@ -450,8 +461,9 @@ async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer:
             port = site._server.sockets[0].getsockname()[1]  # the real port when pc.port == 0
             host = f"[{pc.host}]" if ":" in pc.host else pc.host
             state.base_url = f"http://{host}:{port}"
-            if pc.unix_socket:
-                await web.UnixSite(runner, pc.unix_socket).start()
+            if pc.unix_socket:  # bound in a thread: creating the socket file is blocking file I/O
+                sock = await asyncio.to_thread(_bind_unix, pc.unix_socket)
+                await web.SockSite(runner, sock).start()
             yield Proxy(state, state.base_url, pc.unix_socket)
         finally:
             await runner.cleanup()

@@ -74,9 +74,11 @@ class ScriptedProxy:
             r.raise_for_status()
             return msgspec.json.decode(await r.read(), type=list[CallRecord])
 
-    def logged(self) -> list[CallRecord]:
+    async def logged(self) -> list[CallRecord]:
         """Every call in the run's record log on disk (all sessions)."""
-        return read_log(self.log_path).calls
+        import asyncio
+
+        return (await asyncio.to_thread(read_log, self.log_path)).calls
 
     async def new_session(self, rollout_id: str = "", group_id: str = "") -> str:
         url = f"{self.proxy.base_url}/sessions"
@@ -98,8 +100,12 @@ async def scripted_proxy(
     unix_socket: str = "",
     config: dict | None = None,
     cycle: bool = False,
+    engine=None,
 ) -> AsyncIterator[ScriptedProxy]:
-    """A real proxy (aiohttp on 127.0.0.1:0, optional unix socket) with one session open."""
+    """A real proxy (aiohttp on 127.0.0.1:0, optional unix socket) with one session open.
+
+    `config` holds section overrides ({"proxy": {"history": "template"}}); `engine` replaces the
+    scripted engine (e.g. a failing one); `px.engine` is whichever engine serves."""
     import asyncio
 
     from polar_fast.model import load_tokenizer
@@ -109,13 +115,14 @@ async def scripted_proxy(
         raw.setdefault(section, {}).update(values)
     cfg: Config = parse_config(raw)
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
-    engine = ScriptedEngine(replies if replies is not None else write_file_replies(), tokenizer, cycle=cycle)
+    if engine is None:
+        engine = ScriptedEngine(replies if replies is not None else write_file_replies(), tokenizer, cycle=cycle)
     log_path = Path(tmp_path) / "calls.log"
-    record_log = RecordLog(log_path)
+    record_log = await asyncio.to_thread(RecordLog, log_path)  # file I/O stays off the loop
     try:
         async with serve(cfg, engine, record_log) as proxy:
             scripted = ScriptedProxy(proxy, engine, "", log_path)
             scripted.token = await scripted.new_session("rollout-0", "group-0")
             yield scripted
     finally:
-        record_log.close()
+        await asyncio.to_thread(record_log.close)

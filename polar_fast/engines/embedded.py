@@ -66,8 +66,8 @@ class EmbeddedEngine:
         logprobs: list[float] = []
         with torch.inference_mode():
             for _ in range(sampling.max_tokens):
-                out = self.model(input_ids=step_ids, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = self.model(input_ids=step_ids, cache=cache, use_cache=True)
+                cache = out.cache
                 logits = out.logits[0, -1].float()  # (V,)
                 token = _sample(logits, sampling, generator)
                 ids.append(token)
