@@ -150,3 +150,40 @@ async def test_docker_dead_container_is_a_sandbox_error(base_image):
     finally:
         await f.remove_leftovers()
         await f.aclose()
+
+
+@pytest.mark.docker
+async def test_docker_network_none_reaches_the_proxy_through_its_unix_socket(base_image, tmp_path):
+    from aiohttp import web
+
+    seen = []
+
+    async def hello(request):
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"path": request.path})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = str(tmp_path / "proxy.sock")
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await anyio.to_thread.run_sync(listener.bind, sock)  # bind stats the path: off the loop
+    await web.SockSite(runner, listener).start()
+    f = make_sandbox_factory(SandboxConfig(kind="docker"), run_id=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        async with f.open(SandboxSpec(proxy_port=18123, proxy_socket=sock)) as box:
+            assert box.proxy_url == "http://127.0.0.1:18123"
+            fetch = ("import urllib.request,sys; r=urllib.request.Request(sys.argv[1], headers={'Authorization': 'Bearer tok'});"
+                     "print(urllib.request.urlopen(r, timeout=10).read().decode())")
+            done = await box.exec(["python3", "-c", fetch, box.proxy_url + "/s/tok/v1/models"], timeout_s=30)
+            assert done.exit_code == 0, done.stderr
+            assert '"/s/tok/v1/models"' in done.stdout and seen == ["Bearer tok"]
+            outside = await box.exec(["python3", "-c", "import socket; socket.create_connection(('1.1.1.1', 80), 2)"])
+            assert outside.exit_code != 0  # no other egress
+    finally:
+        await f.remove_leftovers()
+        await f.aclose()
+        await runner.cleanup()
