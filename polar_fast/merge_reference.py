@@ -248,36 +248,41 @@ def pack_plans(merged: Merged, *, max_tokens: int) -> list[PackPlan]:
                 raise MergeError(f"a sequence of {b - a} tokens exceeds max_tokens={max_tokens}")
             units.append(list(range(a, b)))
         else:
-            units.extend(_split(a, [], size, max_tokens))
+            units.extend(_split(a, size, max_tokens))
     bins = _first_fit_decreasing(units, max_tokens)
     return _plans(merged, bins, size)
 
 
-def _children(v: int, size: list[int]) -> list[int]:
-    out, c = [], v + 1
-    while c < v + size[v]:
-        out.append(c)
-        c += size[c]
-    return out
-
-
-def _split(v: int, chain: list[int], size: list[int], max_tokens: int) -> list[list[int]]:
-    budget = max_tokens - len(chain) - 1
-    if budget < 1:
-        raise MergeError(
-            f"a root-to-leaf path of at least {len(chain) + 2} tokens exceeds max_tokens={max_tokens}"
-        )
-    head = chain + [v]
+def _split(root: int, size: list[int], max_tokens: int) -> list[list[int]]:
+    """Segments of an oversize tree. Depth-first with an explicit stack (paths run to 100k+
+    tokens): a node's oversize children are split before its fitting children are binned."""
     segments: list[list[int]] = []
-    fits = []
-    for c in _children(v, size):
-        if size[c] <= budget:
-            fits.append(c)
-        else:
-            segments.extend(_split(c, head, size, max_tokens))
-    for group in _first_fit_decreasing([[c] for c in fits], budget, weight=lambda u: size[u[0]]):
-        members = sorted(c for unit in group for c in unit)
-        segments.append(head + [i for c in members for i in range(c, c + size[c])])
+    frames: list[list] = []  # [node, next child, fitting children]; the frames' nodes are the chain
+
+    def push(v: int) -> None:
+        if max_tokens - len(frames) - 1 < 1:
+            raise MergeError(
+                f"a root-to-leaf path of at least {len(frames) + 2} tokens exceeds max_tokens={max_tokens}"
+            )
+        frames.append([v, v + 1, []])
+
+    push(root)
+    while frames:
+        frame = frames[-1]
+        v, c, fits = frame
+        budget = max_tokens - len(frames)
+        if c < v + size[v]:
+            frame[1] = c + size[c]
+            if size[c] <= budget:
+                fits.append(c)
+            else:
+                push(c)
+            continue
+        head = [f[0] for f in frames] if fits else []
+        for group in _first_fit_decreasing([[c] for c in fits], budget, weight=lambda u: size[u[0]]):
+            members = sorted(c for unit in group for c in unit)
+            segments.append(head + [i for c in members for i in range(c, c + size[c])])
+        frames.pop()
     return segments
 
 

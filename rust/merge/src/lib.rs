@@ -35,13 +35,12 @@ fn calls_from_objects(calls: &Bound<'_, PyAny>) -> PyResult<Vec<Call>> {
     let mut out = Vec::new();
     for (c, item) in calls.try_iter()?.enumerate() {
         let item = item?;
-        out.push(Call {
-            rollout_id: field!(item, c, "rollout_id"),
-            prompt_ids: field!(item, c, "prompt_ids"),
-            completion_ids: field!(item, c, "completion_ids"),
-            completion_logprobs: field!(item, c, "completion_logprobs"),
-            policy_version: field!(item, c, "policy_version"),
-        });
+        let prompt: Vec<i64> = field!(item, c, "prompt_ids");
+        let completion: Vec<i64> = field!(item, c, "completion_ids");
+        let logprobs: Vec<f64> = field!(item, c, "completion_logprobs");
+        let call = Call::new(c, field!(item, c, "rollout_id"), &prompt, &completion, &logprobs,
+                             field!(item, c, "policy_version"));
+        out.push(call.map_err(to_py)?);
     }
     Ok(out)
 }
@@ -118,7 +117,7 @@ fn merge<'py>(py: Python<'py>, calls: &Bound<'py, PyAny>, layout: &str) -> PyRes
 
 fn run(calls: &[Call], tree: bool) -> Result<(trie::Layout, trie::Trie), RustMergeError> {
     let mut trie = trie::Trie::new();
-    trie.insert_all(calls)?;
+    trie.insert_all(calls);
     let out = if tree { trie.tree() } else { trie.paths() };
     Ok((out, trie))
 }

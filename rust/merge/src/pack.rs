@@ -51,7 +51,7 @@ pub fn pack_plans(input: &Input, layout: LayoutKind, max_tokens: i64) -> Result<
             }
             units.push((a..b).collect());
         } else {
-            split(a, &[], input.size, max, &mut units)?;
+            split(a, input.size, max, &mut units)?;
         }
     }
     let bins = first_fit_decreasing(&units, max, |u| u.len());
@@ -80,42 +80,54 @@ fn validate(input: &Input) -> Result<()> {
     Ok(())
 }
 
-fn children(v: usize, size: &[i32]) -> Vec<usize> {
-    let mut out = Vec::new();
-    let mut c = v + 1;
-    while c < v + size[v] as usize {
-        out.push(c);
-        c += size[c] as usize;
+/// Segments of an oversize tree. Depth-first with an explicit stack (paths run to 100k+ tokens):
+/// a node's oversize children are split before its fitting children are binned.
+fn split(root: usize, size: &[i32], max: usize, out: &mut Vec<Vec<usize>>) -> Result<()> {
+    struct Frame {
+        node: usize,
+        next_child: usize,
+        fits: Vec<Vec<usize>>,
     }
-    out
-}
-
-fn split(v: usize, chain: &[usize], size: &[i32], max: usize, out: &mut Vec<Vec<usize>>) -> Result<()> {
-    if chain.len() + 1 >= max {
-        return Err(MergeError::new(format!(
-            "a root-to-leaf path of at least {} tokens exceeds max_tokens={max}",
-            chain.len() + 2
-        )));
-    }
-    let budget = max - chain.len() - 1;
-    let mut head = chain.to_vec();
-    head.push(v);
-    let mut fits: Vec<Vec<usize>> = Vec::new();
-    for c in children(v, size) {
-        if size[c] as usize <= budget {
-            fits.push(vec![c]);
-        } else {
-            split(c, &head, size, max, out)?;
+    let mut frames: Vec<Frame> = Vec::new();
+    let push = |frames: &mut Vec<Frame>, v: usize| -> Result<()> {
+        if frames.len() + 1 >= max {
+            return Err(MergeError::new(format!(
+                "a root-to-leaf path of at least {} tokens exceeds max_tokens={max}",
+                frames.len() + 2
+            )));
         }
-    }
-    for group in first_fit_decreasing(&fits, budget, |u| size[u[0]] as usize) {
-        let mut members: Vec<usize> = group.iter().map(|&u| fits[u][0]).collect();
-        members.sort_unstable();
-        let mut segment = head.clone();
-        for c in members {
-            segment.extend(c..c + size[c] as usize);
+        frames.push(Frame { node: v, next_child: v + 1, fits: Vec::new() });
+        Ok(())
+    };
+    push(&mut frames, root)?;
+    while !frames.is_empty() {
+        let budget = max - frames.len();
+        let frame = frames.last_mut().expect("non-empty");
+        let (v, c) = (frame.node, frame.next_child);
+        if c < v + size[v] as usize {
+            frame.next_child = c + size[c] as usize;
+            if size[c] as usize <= budget {
+                frame.fits.push(vec![c]);
+            } else {
+                push(&mut frames, c)?;
+            }
+            continue;
         }
-        out.push(segment);
+        let frame = frames.pop().expect("non-empty");
+        if frame.fits.is_empty() {
+            continue;
+        }
+        let mut head: Vec<usize> = frames.iter().map(|f| f.node).collect();
+        head.push(frame.node);
+        for group in first_fit_decreasing(&frame.fits, budget, |u| size[u[0]] as usize) {
+            let mut members: Vec<usize> = group.iter().map(|&u| frame.fits[u][0]).collect();
+            members.sort_unstable();
+            let mut segment = head.clone();
+            for c in members {
+                segment.extend(c..c + size[c] as usize);
+            }
+            out.push(segment);
+        }
     }
     Ok(())
 }
@@ -230,6 +242,25 @@ mod tests {
         let units = vec![vec![0; 3], vec![0; 5], vec![0; 2], vec![0; 4]];
         let bins = first_fit_decreasing(&units, 7, |u| u.len());
         assert_eq!(bins, vec![vec![1, 2], vec![3, 0]]);
+    }
+
+    #[test]
+    fn a_deep_tree_splits_without_recursion() {
+        // a 200k-token spine with a short branch at the end: the stack must not grow with depth
+        let n = 200_000usize;
+        let mut parent: Vec<i32> = (0..n as i32).map(|i| i - 1).collect();
+        parent.push(n as i32 - 2);
+        let mut size: Vec<i32> = (0..n as i32).map(|i| n as i32 + 1 - i).collect();
+        size[n - 1] = 1;
+        size.push(1);
+        let mask = vec![1u8; n + 1];
+        let input = Input { parent: &parent, size: &size, offsets: &[0, n as i32 + 1], loss_mask: &mask, extra_index: &[] };
+        let plans = pack_plans(&input, LayoutKind::Tree, n as i64 + 1).unwrap();
+        assert_eq!(plans.len(), 1);
+        let plans = pack_plans(&input, LayoutKind::Tree, n as i64).unwrap();
+        assert_eq!(plans.len(), 2);
+        let owned: usize = plans.iter().map(|p| p.loss_mask.iter().map(|&m| m as usize).sum::<usize>()).sum();
+        assert_eq!(owned, n + 1);
     }
 
     #[test]

@@ -9,7 +9,6 @@
 
 use std::collections::HashMap;
 
-use crate::error::{MergeError, Result};
 use crate::record::Call;
 
 pub const NONE: u32 = u32::MAX;
@@ -85,9 +84,10 @@ struct Extra {
     sample: Sample,
 }
 
+/// The node path of a rollout's last inserted call (`call` indexes the slice being inserted).
 #[derive(Debug, Default)]
 struct LastPath {
-    tokens: Vec<u32>,
+    call: Option<usize>,
     nodes: Vec<u32>,
 }
 
@@ -135,42 +135,26 @@ impl Trie {
         &self.stats
     }
 
-    pub fn insert_all(&mut self, calls: &[Call]) -> Result<()> {
-        for (c, call) in calls.iter().enumerate() {
-            self.insert(c, call)?;
+    pub fn insert_all(&mut self, calls: &[Call]) {
+        for c in 0..calls.len() {
+            self.insert(calls, c);
         }
-        Ok(())
     }
 
-    /// Insert one call; `c` only names it in error messages.
-    pub fn insert(&mut self, c: usize, call: &Call) -> Result<()> {
-        if call.completion_ids.len() != call.completion_logprobs.len() {
-            return Err(MergeError::new(format!(
-                "call {c}: {} completion ids but {} logprobs",
-                call.completion_ids.len(),
-                call.completion_logprobs.len()
-            )));
-        }
-        let version = i32::try_from(call.policy_version).map_err(|_| {
-            MergeError::new(format!("call {c}: policy_version {} is out of range", call.policy_version))
-        })?;
-        let n_prompt = call.prompt_ids.len();
-        let mut seq = Vec::with_capacity(n_prompt + call.completion_ids.len());
-        for (i, &t) in call.prompt_ids.iter().chain(call.completion_ids.iter()).enumerate() {
-            if !(0..(1i64 << 31)).contains(&t) {
-                return Err(MergeError::new(format!(
-                    "call {c}: token id {t} at position {i} is out of range"
-                )));
-            }
-            seq.push(t as u32);
-        }
+    /// Insert call `c` of `calls` (validated by its constructor); earlier calls of the same
+    /// rollout must have been inserted from the same slice.
+    pub fn insert(&mut self, calls: &[Call], c: usize) {
+        let call = &calls[c];
+        let seq = &call.tokens;
+        let n_prompt = call.n_prompt;
         let r = self.rollout(&call.rollout_id);
         self.stats.n_calls += 1;
         self.stats.n_call_tokens += seq.len() as u64;
-        self.stats.n_samples += call.completion_ids.len() as u64;
+        self.stats.n_samples += (seq.len() - n_prompt) as u64;
 
         let mut last = std::mem::take(&mut self.last_path[r as usize]);
-        let shared = last.tokens.iter().zip(&seq).take_while(|(a, b)| a == b).count();
+        let previous: &[u32] = last.call.map_or(&[], |p| &calls[p].tokens);
+        let shared = previous.iter().zip(seq).take_while(|(a, b)| a == b).count();
         last.nodes.truncate(shared);
         let mut parent = if shared > 0 { last.nodes[shared - 1] } else { NONE };
         let mut left = false;
@@ -193,11 +177,7 @@ impl Trie {
                 node
             };
             if i >= n_prompt {
-                let sample = Sample {
-                    rollout: r,
-                    logprob: call.completion_logprobs[i - n_prompt] as f32,
-                    version,
-                };
+                let sample = Sample { rollout: r, logprob: call.logprobs[i - n_prompt], version: call.policy_version };
                 let slot = &mut self.nodes[node as usize].sample;
                 if slot.is_none() {
                     *slot = Some(sample);
@@ -210,9 +190,8 @@ impl Trie {
         if !left {
             self.stats.count(Cause::Duplicate);
         }
-        last.tokens = seq;
+        last.call = Some(c);
         self.last_path[r as usize] = last;
-        Ok(())
     }
 
     fn rollout(&mut self, id: &str) -> u32 {
@@ -428,18 +407,13 @@ mod tests {
     use super::*;
 
     fn call(rollout: &str, prompt: &[i64], completion: &[i64]) -> Call {
-        Call {
-            rollout_id: rollout.to_owned(),
-            prompt_ids: prompt.to_vec(),
-            completion_ids: completion.to_vec(),
-            completion_logprobs: completion.iter().map(|&t| -(t as f64) / 10.0).collect(),
-            policy_version: 3,
-        }
+        let logprobs: Vec<f64> = completion.iter().map(|&t| -(t as f64) / 10.0).collect();
+        Call::new(0, rollout.to_owned(), prompt, completion, &logprobs, 3).unwrap()
     }
 
     fn build(calls: &[Call]) -> Trie {
         let mut trie = Trie::new();
-        trie.insert_all(calls).unwrap();
+        trie.insert_all(calls);
         trie
     }
 
@@ -461,7 +435,7 @@ mod tests {
         let tree = trie.tree();
         assert_eq!(tree.tokens, vec![1, 2, 3, 4, 5, 6]);
         assert_eq!(tree.loss_mask, vec![0, 0, 1, 1, 0, 1]);
-        assert_eq!(tree.logprobs[2], -0.3);
+        assert_eq!(tree.logprobs[2], -0.3f32);
         assert_eq!(tree.versions, vec![-1, -1, 3, 3, -1, 3]);
         assert_eq!(trie.stats().extend, 2);
         assert_eq!(trie.stats().n_breaks(), 0);
@@ -521,11 +495,9 @@ mod tests {
 
     #[test]
     fn bad_input_is_an_error_not_a_panic() {
-        let mut trie = Trie::new();
-        let mut bad = call("a", &[1], &[2]);
-        bad.completion_logprobs.clear();
-        assert!(trie.insert(0, &bad).is_err());
-        assert!(trie.insert(0, &call("a", &[-1], &[2])).is_err());
-        assert!(trie.insert(0, &call("a", &[1 << 31], &[2])).is_err());
+        assert!(Call::new(0, "a".into(), &[1], &[2], &[], 0).is_err());
+        assert!(Call::new(0, "a".into(), &[-1], &[2], &[0.0], 0).is_err());
+        assert!(Call::new(0, "a".into(), &[1 << 31], &[2], &[0.0], 0).is_err());
+        assert!(Call::new(0, "a".into(), &[1], &[2], &[0.0], 1 << 40).is_err());
     }
 }
