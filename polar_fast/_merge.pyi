@@ -1,0 +1,51 @@
+"""Type stub of the Rust extension (rust/merge/src/lib.rs). Call it through polar_fast.merge."""
+
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from polar_fast.errors import MergeError as MergeError
+
+def merge(calls: bytes | Sequence[Any], *, layout: Literal["tree", "paths"] = "tree") -> dict[str, Any]:
+    """Insert a group's calls into one token trie and flatten it.
+
+    Args:
+        calls: msgpack bytes of a list of CallRecord maps, or objects with the attributes
+            rollout_id, prompt_ids, completion_ids, completion_logprobs, policy_version.
+        layout: "tree" (every prefix once, DFS order) or "paths" (one sequence per leaf).
+
+    Returns:
+        The arrays of polar_fast.merged.Merged (int32 / uint8 / float32 numpy arrays), plus
+        "rollout_ids" (list[str]) and "stats" (dict[str, int]).
+
+    Raises:
+        MergeError: undecodable bytes, a missing or mistyped field, a token id outside
+            [0, 2**31), a policy version outside int32, or completion ids and logprobs of
+            different lengths.
+    """
+
+def pack_plan(
+    parent: npt.NDArray[np.int32],
+    size: npt.NDArray[np.int32],
+    offsets: npt.NDArray[np.int32],
+    loss_mask: npt.NDArray[np.uint8],
+    extra_index: npt.NDArray[np.int32],
+    *,
+    layout: Literal["tree", "paths"],
+    max_tokens: int,
+) -> list[dict[str, npt.NDArray[Any]]]:
+    """First-fit-decreasing micro-batch plans over merged arrays.
+
+    Args:
+        parent, size, offsets, loss_mask, extra_index: the arrays of a Merged.
+        layout: the Merged's layout; trees over the budget are split, paths never are.
+        max_tokens: the most tokens one micro-batch may hold.
+
+    Returns:
+        One dict per micro-batch with the fields of polar_fast.merged.PackPlan.
+
+    Raises:
+        MergeError: max_tokens < 1, a root-to-leaf path longer than max_tokens, or arrays
+            that do not describe a forest (inconsistent parent / size / offsets).
+    """
