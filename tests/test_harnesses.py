@@ -1,0 +1,109 @@
+"""Adapter contracts without running a CLI: registry, command shapes (token, model, proxy URL,
+private HOME, approvals off), the bundle cache (second install is a no-op) and the forwarder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harness_servers import FakeModel, serve
+from polar_fast.harnesses import HARNESSES, AgentCommand, get_harness
+from polar_fast.harnesses import __main__ as cli
+from polar_fast.harnesses.bundles import MANIFEST, build_bundle, write_script
+
+FORWARDER = Path(__file__).parents[1] / "polar_fast" / "sandboxes" / "forwarder.py"
+ARGS = dict(prompt="fix the bug", proxy_url="http://127.0.0.1:9/s/tok123", api_key="tok123",
+            model="served-model", home="/h", bundle="/b", max_steps=7)
+
+
+def test_registry_names_and_clear_error():
+    assert set(HARNESSES) == {"mini-swe-agent", "codex", "claude-code", "qwen-code", "pi"}
+    assert all(get_harness(n).name == n for n in HARNESSES)
+    with pytest.raises(ValueError, match="unknown harness 'nope'.*claude-code.*codex"):
+        get_harness("nope")
+
+
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+def test_command_points_at_session_with_private_home(name):
+    cmd = get_harness(name).command(**ARGS)
+    assert isinstance(cmd, AgentCommand)
+    assert cmd.argv[0].startswith("/b/bin/") and "fix the bug" in cmd.argv
+    assert cmd.env["HOME"] == "/h" and cmd.env["PATH"].startswith("/b/bin:")
+    text = json.dumps(cmd.env) + json.dumps(cmd.files) + json.dumps(cmd.argv)
+    assert "tok123" in text and "served-model" in text and "http://127.0.0.1:9/s/tok123" in text
+    assert all(not rel.startswith("/") and ".." not in rel for rel in cmd.files)
+
+
+def test_codex_config_is_valid_toml_with_responses_provider():
+    cmd = get_harness("codex").command(**ARGS | {"model": 'we"ird'})
+    config = tomllib.loads(cmd.files[".codex/config.toml"])
+    assert config["model"] == 'we"ird' and config["approval_policy"] == "never"
+    provider = config["model_providers"][config["model_provider"]]
+    assert provider["base_url"] == "http://127.0.0.1:9/s/tok123/v1" and provider["wire_api"] == "responses"
+    assert cmd.env[provider["env_key"]] == "tok123"
+
+
+def test_mini_swe_agent_step_limit_and_base_url():
+    argv = get_harness("mini-swe-agent").command(**ARGS).argv
+    assert "agent.step_limit=7" in argv and "model.model_kwargs.api_base=http://127.0.0.1:9/s/tok123/v1" in argv
+    assert argv[argv.index("-m") + 1] == "openai/served-model"
+
+
+def test_bundle_is_cached_and_built_atomically(tmp_path):
+    builds = []
+
+    def build(tmp: Path) -> None:
+        builds.append(tmp)
+        write_script(tmp / "bin" / "hello", "#!/bin/sh\necho hi\n")
+
+    first = build_bundle(tmp_path, "demo", {"v": 1}, build, ["bin/hello"])
+    again = build_bundle(tmp_path, "demo", {"v": 1}, build, ["bin/hello"])
+    other = build_bundle(tmp_path, "demo", {"v": 2}, build, ["bin/hello"])
+    assert first == again != other and len(builds) == 2
+    assert (first / MANIFEST).exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_failed_bundle_check_leaves_nothing(tmp_path):
+    from polar_fast.harnesses.bundles import BundleError
+
+    def build(tmp: Path) -> None:
+        write_script(tmp / "bin" / "broken", "#!/bin/sh\necho boom >&2; exit 3\n")
+
+    with pytest.raises(BundleError, match="(?s)exited 3.*boom"):
+        build_bundle(tmp_path, "bad", {}, build, ["bin/broken"])
+    assert [p.name for p in tmp_path.iterdir()] == [".bad.lock"]
+
+
+def test_cli_rejects_unknown_names(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["install", "nope"])
+    assert "unknown harness 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_forwarder_pipes_http_to_unix_socket(tmp_path):
+    fake = FakeModel(answer="forwarded")
+    async with serve(fake, unix_path=str(tmp_path / "s.sock")) as sock:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(FORWARDER), "--port", "0", "--socket", sock, stdout=asyncio.subprocess.PIPE)
+        try:
+            line = (await proc.stdout.readline()).decode()
+            port = int(line.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps({"model": "m", "messages": []}).encode()
+            writer.write(b"POST /s/abc/v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            reply = await reader.read()
+            writer.close()
+        finally:
+            proc.kill()
+            await proc.wait()
+    assert reply.startswith(b"HTTP/1.1 200") and b"forwarded" in reply
+    assert fake.requests[0].path == "/s/abc/v1/chat/completions"

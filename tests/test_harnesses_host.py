@@ -1,0 +1,60 @@
+"""Each real harness CLI, run on this host through its adapter's command against a loopback fake
+model server speaking its dialect: the request must carry the session token and model name, and
+the CLI must exit 0 having printed the answer."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from harness_run import run_on_host
+from harness_servers import FakeModel, serve
+from polar_fast.harnesses import HARNESSES, default_bundle_root, get_harness
+
+MODEL = "polar-test-model"
+# harness -> the API path its requests use
+DIALECT_PATH = {
+    "codex": "/v1/responses",
+    "claude-code": "/v1/messages",
+    "qwen-code": "/v1/chat/completions",
+    "pi": "/v1/chat/completions",
+    "mini-swe-agent": "/v1/chat/completions",
+}
+
+
+@pytest.fixture(scope="module")
+def bundles() -> dict[str, Path]:
+    # Cached by scripts/test.sh (`python -m polar_fast.harnesses install --all`): a no-op here.
+    return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
+
+
+@pytest.fixture
+def dirs(tmp_path) -> tuple[Path, Path]:
+    home, task = tmp_path / "home", tmp_path / "task"
+    home.mkdir(), task.mkdir()
+    return home, task
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", sorted(DIALECT_PATH))
+async def test_harness_answers_through_proxy_session(name, bundles, dirs):
+    token = secrets.token_hex(8)
+    fake = FakeModel(answer=f"ANSWER-{secrets.token_hex(4)}")
+    home, task = dirs
+    async with serve(fake) as url:
+        cmd = get_harness(name).command(
+            prompt="Say the answer.", proxy_url=f"{url}/s/{token}", api_key=token, model=MODEL,
+            home=str(home), bundle=str(bundles[name]), max_steps=5)
+        code, output = await run_on_host(cmd, home=home, cwd=task)
+    calls = fake.model_requests()
+    assert calls, f"{name} sent no model request; output:\n{output[-3000:]}"
+    for call in calls:
+        assert call.path == f"/s/{token}{DIALECT_PATH[name]}", call.path
+        assert token in (call.headers.get("Authorization", "") + call.headers.get("x-api-key", ""))
+        assert call.body["model"] == MODEL
+    assert code == 0, f"{name} exited {code}; output:\n{output[-3000:]}"
+    assert fake.answer in output, output[-3000:]
