@@ -1,0 +1,172 @@
+"""Learner step time: per-call vs trie `paths` vs trie `tree`, on the same harness-shaped traces.
+
+Traces look like a coding harness: every rollout of a group starts from one long system prompt
+(with tool definitions), then makes many calls, each prompt extending the previous one by the
+last completion and a tool result; one rollout in four compacts its history midway (a branch).
+Per-call trains each call as its own sequence (what a plain trainer does); `paths` and `tree`
+train the merge of each group. Each layout gets a fresh copy of the same weights and the same
+rollouts; the table shows tokens forwarded, step time (forward + backward + AdamW, after one
+warm-up step) and speed-up over per-call, plus the step loss, which must agree across layouts.
+
+    .venv/bin/python bench/learner_bench.py --quick              # < 30 s on 2 CPU cores
+    .venv/bin/python bench/learner_bench.py --device cuda --model smollm2
+
+Last line: `RESULT tree_vs_percall=X paths_vs_percall=Y`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from polar_fast.config import LearnerConfig  # noqa: E402
+from polar_fast.grpo import Learner  # noqa: E402
+from polar_fast.records import CallRecord, Outcome, RolloutRecord  # noqa: E402
+
+
+def harness_traces(*, groups: int, rollouts: int, calls: int, prompt: int, completion: int,
+                   tool: int, vocab: int, seed: int = 0) -> tuple[list[CallRecord], list[RolloutRecord]]:
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(3, vocab, n).tolist()
+
+    out_calls, out_rollouts = [], []
+    for g in range(groups):
+        system = ids(prompt)
+        for r in range(rollouts):
+            rid, context = f"g{g}r{r}", list(system)
+            for i in range(calls):
+                if r % 4 == 3 and i == calls // 2:  # compaction: history replaced by a summary
+                    context = system + ids(tool)
+                sampled = ids(completion)
+                out_calls.append(CallRecord(
+                    session_id=rid, rollout_id=rid, group_id=f"g{g}", call_index=i, prompt_ids=context,
+                    completion_ids=sampled, completion_logprobs=(-rng.random(completion) * 2).tolist(),
+                    policy_version=0, finish_reason="tool_calls", dialect="chat"))
+                context = context + sampled + ids(tool)
+            out_rollouts.append(RolloutRecord(rollout_id=rid, group_id=f"g{g}", task_id=str(g),
+                                              harness="bench", outcome=Outcome.OK, reward=float(r % 2)))
+    return out_calls, out_rollouts
+
+
+def build_model(kind: str, vocab: int, hidden: int = 128, layers: int = 4):
+    if kind == "smollm2":
+        from polar_fast.model import load_model
+
+        return load_model()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+    return LlamaForCausalLM(cfg)
+
+
+def merge_module():
+    try:
+        from polar_fast import merge
+
+        merge.merge([], layout="tree")  # raises if the Rust extension is missing
+        return merge, "rust"
+    except Exception:
+        from polar_fast import merge_reference
+
+        return merge_reference, "reference"
+
+
+def run(args: argparse.Namespace) -> dict[str, dict]:
+    model = build_model(args.model, args.vocab, args.hidden, args.layers)
+    vocab = model.config.vocab_size
+    calls, rollouts = harness_traces(groups=args.groups, rollouts=args.rollouts, calls=args.calls,
+                                     prompt=args.prompt, completion=args.completion, tool=args.tool, vocab=vocab)
+    impl, impl_name = merge_module()
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    cfg = LearnerConfig(lr=1e-6, device=args.device, dtype=dtype, attention=args.attention,
+                        logprob_chunk_tokens=1024)
+    print(f"model={args.model} device={args.device} merge={impl_name} calls={len(calls)} "
+          f"rollouts={len(rollouts)} call_tokens={sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)}")
+    rows = {}
+    for layout in ("percall", "paths", "tree"):
+        learner = Learner(cfg, copy.deepcopy(model), layout=layout, max_tokens=args.max_tokens, merge_impl=impl)
+        t0 = time.perf_counter()
+        batch = learner.prepare(calls, rollouts)
+        prepare_s = time.perf_counter() - t0
+        _sync(args.device)
+        t0 = time.perf_counter()
+        first = learner.train_step(batch)  # warm-up (kernels, allocator); its loss is compared
+        _sync(args.device)
+        times = [time.perf_counter() - t0] if args.repeats == 0 else []  # --quick: no warm-up
+        for _ in range(args.repeats):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            learner.train_step(batch)
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+        rows[layout] = {"tokens": batch.n_tokens, "micro_batches": len(batch.micro_batches),
+                        "terms": batch.n_terms, "prepare_s": prepare_s, "step_s": min(times),
+                        "loss": first.loss}
+        del learner
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small traces, tiny model, one step per layout")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex_attention", "eager"])
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--rollouts", type=int, default=4, help="per group")
+    p.add_argument("--calls", type=int, default=12, help="per rollout")
+    p.add_argument("--prompt", type=int, default=2000, help="system prompt tokens")
+    p.add_argument("--completion", type=int, default=60, help="tokens per completion")
+    p.add_argument("--tool", type=int, default=120, help="tool-result tokens per turn")
+    p.add_argument("--max-tokens", type=int, default=8192, help="per micro-batch")
+    p.add_argument("--vocab", type=int, default=32000, help="tiny model vocabulary")
+    p.add_argument("--hidden", type=int, default=128, help="tiny model width")
+    p.add_argument("--layers", type=int, default=4, help="tiny model depth")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch default; --quick uses 1: on a shared 2-core box OpenMP spin-waits dominate)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps after a warm-up (0: time the first)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.groups, args.rollouts, args.calls = 1, 4, 5
+        args.prompt, args.completion, args.tool, args.max_tokens, args.repeats = 400, 16, 32, 4096, 1
+        args.vocab, args.hidden, args.layers = 8000, 128, 2
+        args.threads = args.threads or 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = run(args)
+    base = rows["percall"]
+    print(f"{'layout':8} {'tokens':>8} {'batches':>8} {'terms':>7} {'prepare_s':>10} {'step_s':>8} "
+          f"{'speedup':>8} {'loss':>12}")
+    for layout, r in rows.items():
+        print(f"{layout:8} {r['tokens']:8d} {r['micro_batches']:8d} {r['terms']:7d} {r['prepare_s']:10.3f} "
+              f"{r['step_s']:8.3f} {base['step_s'] / r['step_s']:7.2f}x {r['loss']:12.6f}")
+    loss_gap = max(abs(r["loss"] - base["loss"]) for r in rows.values())
+    print(f"max loss difference vs per-call: {loss_gap:.2e} (same weights, same rollouts)")
+    if loss_gap > 1e-3:
+        print("ERROR: layouts disagree on the loss", file=sys.stderr)
+        return 1
+    print(f"RESULT tree_vs_percall={base['step_s'] / rows['tree']['step_s']:.2f} "
+          f"paths_vs_percall={base['step_s'] / rows['paths']['step_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
