@@ -1,8 +1,9 @@
 """Merge bench: Rust vs the Python reference, and what each trajectory layout costs the learner.
 
 Two tables from one run:
-  1. merge time of polar_fast.merge (Rust, msgpack encode included) vs merge_reference on the
-     same group (identical output is asserted), as a ratio;
+  1. merge time of polar_fast.merge (Rust) vs merge_reference on the same group (identical output
+     asserted): Rust from msgpack bytes (the form records travel and rest in; this is the
+     headline ratio) and from CallRecord objects (msgspec encode included);
   2. for each harness profile, tokens the learner computes per sampled token under
        per-call  every call its own sequence;
        chain     Polar-style: a call joins the rollout's current chain when its prompt starts with
@@ -12,7 +13,8 @@ Two tables from one run:
                  so a rewritten or retried answer is dropped;
        paths     trie, one sequence per leaf;
        tree      trie, each prefix once (tree attention);
-     and the sampled tokens that never reach training (trie: must be 0).
+     the sampled tokens that never reach training (trie: must be 0), and the chain's computed
+     tokens per sampled token that does reach training.
 
     python bench/merge_bench.py [--quick]
 Last line: RESULT rust_speedup=R tree_vs_chain=T trie_dropped=N chain_dropped=M
@@ -25,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,15 +80,20 @@ def speed_table(quick: bool) -> float:
     rollouts, per = (4, (60, 60)) if quick else (8, (125, 125))
     calls = group_calls(profile, rollouts=rollouts, calls_per_rollout=per, seed=1)
     n_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+    payload = msgspec.msgpack.encode(calls)  # how records travel and rest on disk
     t_ref, m_ref = best_of(lambda: reference.merge(calls), 1)
-    t_rust, m_rust = best_of(lambda: rust.merge(calls), 5)
-    assert m_rust.stats == m_ref.stats and np.array_equal(m_rust.tokens, m_ref.tokens)
-    assert np.array_equal(m_rust.logprobs, m_ref.logprobs)
+    t_rust, m_rust = best_of(lambda: rust.merge(payload), 5)
+    t_objects, m_objects = best_of(lambda: rust.merge(calls), 3)
+    for m in (m_rust, m_objects):
+        assert m.stats == m_ref.stats and np.array_equal(m.tokens, m_ref.tokens)
+        assert np.array_equal(m.logprobs, m_ref.logprobs) and np.array_equal(m.size, m_ref.size)
     t_pack, batches = best_of(lambda: rust.pack(m_rust, max_tokens=131_072), 5)
-    print(f"\nmerge speed: {profile.name}-shaped group, {len(calls)} calls, {n_tokens / 1e6:.1f}M call tokens")
-    print(f"{'impl':<12}{'merge s':>10}{'Mtok/s':>10}")
-    print(f"{'python ref':<12}{t_ref:>10.3f}{n_tokens / t_ref / 1e6:>10.2f}")
-    print(f"{'rust':<12}{t_rust:>10.4f}{n_tokens / t_rust / 1e6:>10.1f}")
+    print(f"\nmerge speed: {profile.name}-shaped group, {len(calls)} calls, {n_tokens / 1e6:.1f}M call tokens, "
+          f"{m_rust.stats.n_nodes / 1e6:.2f}M trie nodes")
+    print(f"{'impl':<34}{'merge s':>10}{'Mtok/s':>10}{'vs ref':>8}")
+    for name, t in [("python reference (CallRecords)", t_ref), ("rust (msgpack bytes)", t_rust),
+                    ("rust (CallRecords, encode incl.)", t_objects)]:
+        print(f"{name:<34}{t:>10.3f}{n_tokens / t / 1e6:>10.1f}{t_ref / t:>7.0f}x")
     print(f"rust pack into {len(batches)} micro-batches of <=128k tokens: {t_pack * 1e3:.1f} ms")
     return t_ref / t_rust
 
@@ -93,7 +101,7 @@ def speed_table(quick: bool) -> float:
 def layout_table(quick: bool) -> tuple[float, int, int]:
     rollouts, per = (4, (20, 40)) if quick else (8, (50, 300))
     header = f"{'harness':<16}{'calls':>7}{'sampled':>10}{'per-call':>10}{'chain':>8}{'paths':>8}{'tree':>8}" \
-             f"{'breaks':>8}{'chain drop':>12}{'trie drop':>11}"
+             f"{'breaks':>8}{'chain drop':>12}{'trie drop':>11}{'chain/trained':>15}"
     print(f"\ntokens computed per sampled token ({rollouts} rollouts per group)")
     print(header)
     chain_total = tree_total = chain_dropped = trie_dropped = 0
@@ -112,7 +120,8 @@ def layout_table(quick: bool) -> tuple[float, int, int]:
         per_sample = lambda n: n / s.n_samples  # noqa: E731
         print(f"{profile.name:<16}{s.n_calls:>7}{s.n_samples:>10}{per_sample(s.n_call_tokens):>10.1f}"
               f"{per_sample(chain_tokens):>8.1f}{per_sample(paths.stats.n_output_tokens):>8.1f}"
-              f"{per_sample(s.n_nodes):>8.1f}{s.n_breaks:>8}{dropped:>12}{lost:>11}")
+              f"{per_sample(s.n_nodes):>8.1f}{s.n_breaks:>8}{dropped:>12}{lost:>11}"
+              f"{chain_tokens / max(s.n_samples - dropped, 1):>15.1f}")
     return chain_total / tree_total, trie_dropped, chain_dropped
 
 

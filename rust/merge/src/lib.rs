@@ -99,15 +99,22 @@ fn merge<'py>(py: Python<'py>, calls: &Bound<'py, PyAny>, layout: &str) -> PyRes
     let (out, trie) = if let Ok(bytes) = calls.cast::<PyBytes>() {
         let payload = bytes.as_bytes();
         py.detach(|| -> Result<_, RustMergeError> {
-            let calls = record::decode_calls(payload)?;
-            run(&calls, tree)
+            let mut reader = record::CallReader::new(payload)?;
+            let mut trie = trie::Trie::new();
+            let mut call = Call::default();
+            while reader.read_into(&mut call)? {
+                trie.insert(&mut call);
+            }
+            Ok(flatten(trie, tree))
         })
         .map_err(to_py)?
-    } else if calls.is_instance_of::<PyList>() || calls.hasattr("__iter__")? {
-        let calls = calls_from_objects(calls)?;
-        py.detach(|| run(&calls, tree)).map_err(to_py)?
     } else {
-        return Err(MergeError::new_err("calls must be msgpack bytes or a list of call records"));
+        let mut calls = calls_from_objects(calls)?;
+        py.detach(|| {
+            let mut trie = trie::Trie::new();
+            trie.insert_all(&mut calls);
+            flatten(trie, tree)
+        })
     };
     let d = layout_dict(py, out)?;
     d.set_item("rollout_ids", PyList::new(py, trie.rollout_ids())?)?;
@@ -115,11 +122,9 @@ fn merge<'py>(py: Python<'py>, calls: &Bound<'py, PyAny>, layout: &str) -> PyRes
     Ok(d)
 }
 
-fn run(calls: &[Call], tree: bool) -> Result<(trie::Layout, trie::Trie), RustMergeError> {
-    let mut trie = trie::Trie::new();
-    trie.insert_all(calls);
+fn flatten(mut trie: trie::Trie, tree: bool) -> (trie::Layout, trie::Trie) {
     let out = if tree { trie.tree() } else { trie.paths() };
-    Ok((out, trie))
+    (out, trie)
 }
 
 /// Micro-batch plans for merged arrays; see polar_fast/merge.py `pack_plans`.

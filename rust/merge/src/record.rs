@@ -8,6 +8,7 @@
 use crate::error::{MergeError, Result};
 
 /// One call, validated: `tokens` is prompt + completion, the first `n_prompt` being the prompt.
+/// Buffers are recycled from call to call (see `CallReader::read_into` and `Trie::insert`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Call {
     pub rollout_id: String,
@@ -66,15 +67,43 @@ fn check_version(c: usize, v: i64) -> Result<i32> {
     i32::try_from(v).map_err(|_| MergeError::new(format!("call {c}: policy_version {v} is out of range")))
 }
 
-pub fn decode_calls(payload: &[u8]) -> Result<Vec<Call>> {
-    let mut r = Reader { buf: payload, pos: 0 };
-    let n = r.array_len()?;
-    let mut calls = Vec::with_capacity(n.min(payload.len()));
-    for c in 0..n {
-        calls.push(r.call(c)?);
+/// Streams call records out of a msgpack array without materialising them all: each call is read
+/// into a caller-owned buffer, so decoding a group touches little more memory than its payload.
+pub struct CallReader<'a> {
+    r: Reader<'a>,
+    remaining: usize,
+    index: usize,
+}
+
+impl<'a> CallReader<'a> {
+    pub fn new(payload: &'a [u8]) -> Result<Self> {
+        let mut r = Reader { buf: payload, pos: 0 };
+        let remaining = r.array_len()?;
+        Ok(CallReader { r, remaining, index: 0 })
     }
-    if r.pos != payload.len() {
-        return Err(MergeError::new(format!("{} trailing bytes after the call records", payload.len() - r.pos)));
+
+    /// Read the next call into `call`; false once every record has been read.
+    pub fn read_into(&mut self, call: &mut Call) -> Result<bool> {
+        if self.remaining == 0 {
+            if self.r.pos != self.r.buf.len() {
+                let extra = self.r.buf.len() - self.r.pos;
+                return Err(MergeError::new(format!("{extra} trailing bytes after the call records")));
+            }
+            return Ok(false);
+        }
+        self.r.call(self.index, call)?;
+        self.remaining -= 1;
+        self.index += 1;
+        Ok(true)
+    }
+}
+
+pub fn decode_calls(payload: &[u8]) -> Result<Vec<Call>> {
+    let mut reader = CallReader::new(payload)?;
+    let mut calls = Vec::new();
+    let mut call = Call::default();
+    while reader.read_into(&mut call)? {
+        calls.push(std::mem::take(&mut call));
     }
     Ok(calls)
 }
@@ -171,33 +200,43 @@ impl<'a> Reader<'a> {
     fn tokens(&mut self, out: &mut Vec<u32>, c: usize, first: usize) -> Result<usize> {
         let n = self.array_len()?;
         out.reserve(n.min(self.buf.len() - self.pos));
-        for i in 0..n {
-            let m = *self.buf.get(self.pos).ok_or_else(|| MergeError::new("unexpected end of input"))?;
-            let t = match m {
-                // uint16 and fixint cover nearly every id of a 32k-256k vocabulary
-                0xcd if self.buf.len() - self.pos >= 3 => {
-                    let v = u16::from_be_bytes([self.buf[self.pos + 1], self.buf[self.pos + 2]]);
-                    self.pos += 3;
-                    v as i64
+        let mut i = 0;
+        while i < n {
+            // uint16 and fixint cover nearly every id of a 32k-256k vocabulary: decode runs of
+            // them without the general path
+            let rest = &self.buf[self.pos..];
+            let mut used = 0;
+            while i < n {
+                match rest.get(used) {
+                    Some(&m) if m < 0x80 => {
+                        out.push(m as u32);
+                        used += 1;
+                    }
+                    Some(0xcd) if used + 3 <= rest.len() => {
+                        out.push(u16::from_be_bytes([rest[used + 1], rest[used + 2]]) as u32);
+                        used += 3;
+                    }
+                    _ => break,
                 }
-                0x00..=0x7f => {
-                    self.pos += 1;
-                    m as i64
-                }
-                _ => self.int()?,
-            };
-            out.push(check_token(c, first + i, t)?);
+                i += 1;
+            }
+            self.pos += used;
+            if i < n {
+                let t = self.int()?;
+                out.push(check_token(c, first + i, t)?);
+                i += 1;
+            }
         }
         Ok(n)
     }
 
-    fn floats(&mut self) -> Result<Vec<f32>> {
+    fn floats(&mut self, out: &mut Vec<f32>) -> Result<()> {
         let n = self.array_len()?;
-        let mut out = Vec::with_capacity(n.min(self.buf.len() - self.pos));
+        out.reserve(n.min(self.buf.len() - self.pos));
         for _ in 0..n {
             out.push(self.float()? as f32);
         }
-        Ok(out)
+        Ok(())
     }
 
     fn skip(&mut self) -> Result<()> {
@@ -240,61 +279,52 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    fn call(&mut self, c: usize) -> Result<Call> {
-        let mut rollout_id = None;
-        let mut prompt: Option<Vec<u32>> = None; // prompt + completion once both are read
-        let mut completion: Option<Vec<u32>> = None; // only when it comes before the prompt
-        let mut n_prompt = None;
-        let mut seen_completion = false;
-        let mut logprobs = None;
-        let mut version = None;
+    fn call(&mut self, c: usize, call: &mut Call) -> Result<()> {
+        call.tokens.clear();
+        call.logprobs.clear();
+        call.rollout_id.clear();
+        // msgspec writes fields in declaration order: prompt, then completion, appended to the
+        // same buffer; the other order is handled by rotating once
+        let (mut n_prompt, mut n_completion) = (None, None);
+        let (mut have_rollout, mut have_logprobs, mut version) = (false, false, None);
         let fields = self.map_len()?;
         for _ in 0..fields {
             match self.str()? {
-                "rollout_id" => rollout_id = Some(self.str()?.to_owned()),
+                "rollout_id" => {
+                    call.rollout_id.push_str(self.str()?);
+                    have_rollout = true;
+                }
                 "prompt_ids" => {
-                    let mut v = completion.take().unwrap_or_default();
-                    let n_completion = v.len();
-                    self.tokens(&mut v, c, 0)?;
-                    v.rotate_left(n_completion); // msgspec writes the prompt first; this is the rare order
-                    n_prompt = Some(v.len() - n_completion);
-                    prompt = Some(v);
-                }
-                // appended straight after the prompt: one buffer per call, no copy
-                "completion_ids" => {
-                    match prompt.as_mut() {
-                        Some(v) => {
-                            let at = v.len();
-                            self.tokens(v, c, at)?;
-                        }
-                        None => {
-                            let mut v = Vec::new();
-                            self.tokens(&mut v, c, 0)?;
-                            completion = Some(v);
-                        }
+                    let before = call.tokens.len();
+                    let n = self.tokens(&mut call.tokens, c, 0)?;
+                    if before > 0 {
+                        call.tokens.rotate_right(n);
                     }
-                    seen_completion = true;
+                    n_prompt = Some(n);
                 }
-                "completion_logprobs" => logprobs = Some(self.floats()?),
+                "completion_ids" => {
+                    let at = call.tokens.len();
+                    n_completion = Some(self.tokens(&mut call.tokens, c, at)?);
+                }
+                "completion_logprobs" => {
+                    self.floats(&mut call.logprobs)?;
+                    have_logprobs = true;
+                }
                 "policy_version" => version = Some(check_version(c, self.int()?)?),
                 _ => self.skip()?,
             }
         }
         let missing = |name: &str| MergeError::new(format!("call record {c}: missing field {name:?}"));
-        let tokens = prompt.ok_or_else(|| missing("prompt_ids"))?;
-        let n_prompt = n_prompt.unwrap_or(0);
-        if !seen_completion {
-            return Err(missing("completion_ids"));
+        call.n_prompt = n_prompt.ok_or_else(|| missing("prompt_ids"))?;
+        n_completion.ok_or_else(|| missing("completion_ids"))?;
+        call.policy_version = version.ok_or_else(|| missing("policy_version"))?;
+        if !have_rollout {
+            return Err(missing("rollout_id"));
         }
-        let call = Call {
-            rollout_id: rollout_id.ok_or_else(|| missing("rollout_id"))?,
-            tokens,
-            n_prompt,
-            logprobs: logprobs.ok_or_else(|| missing("completion_logprobs"))?,
-            policy_version: version.ok_or_else(|| missing("policy_version"))?,
-        };
-        call.check_lengths(c)?;
-        Ok(call)
+        if !have_logprobs {
+            return Err(missing("completion_logprobs"));
+        }
+        call.check_lengths(c)
     }
 }
 

@@ -13,6 +13,20 @@ use crate::record::Call;
 
 pub const NONE: u32 = u32::MAX;
 
+/// Length of the common prefix. Exact-history prompts extend the previous call, so the whole
+/// slice usually matches and one memcmp answers; otherwise 64-token blocks narrow it down.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    let n = a.len().min(b.len());
+    if a[..n] == b[..n] {
+        return n;
+    }
+    let mut i = 0;
+    while i + 64 <= n && a[i..i + 64] == b[i..i + 64] {
+        i += 64;
+    }
+    i + a[i..n].iter().zip(&b[i..n]).take_while(|(x, y)| x == y).count()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     pub rollout: u32,
@@ -84,10 +98,10 @@ struct Extra {
     sample: Sample,
 }
 
-/// The node path of a rollout's last inserted call (`call` indexes the slice being inserted).
+/// A rollout's last inserted call: its tokens and the trie nodes along them.
 #[derive(Debug, Default)]
 struct LastPath {
-    call: Option<usize>,
+    tokens: Vec<u32>,
     nodes: Vec<u32>,
 }
 
@@ -122,6 +136,23 @@ pub struct Layout {
     pub extra_version: Vec<i32>,
 }
 
+impl Layout {
+    fn with_capacity(n: usize) -> Self {
+        Layout {
+            tokens: Vec::with_capacity(n),
+            positions: Vec::with_capacity(n),
+            parent: Vec::with_capacity(n),
+            size: Vec::with_capacity(n),
+            loss_mask: Vec::with_capacity(n),
+            logprobs: Vec::with_capacity(n),
+            versions: Vec::with_capacity(n),
+            rollout: Vec::with_capacity(n),
+            node: Vec::with_capacity(n),
+            ..Default::default()
+        }
+    }
+}
+
 impl Trie {
     pub fn new() -> Self {
         Trie { first_root: NONE, last_root: NONE, ..Default::default() }
@@ -135,16 +166,15 @@ impl Trie {
         &self.stats
     }
 
-    pub fn insert_all(&mut self, calls: &[Call]) {
-        for c in 0..calls.len() {
-            self.insert(calls, c);
+    pub fn insert_all(&mut self, calls: &mut [Call]) {
+        for call in calls {
+            self.insert(call);
         }
     }
 
-    /// Insert call `c` of `calls` (validated by its constructor); earlier calls of the same
-    /// rollout must have been inserted from the same slice.
-    pub fn insert(&mut self, calls: &[Call], c: usize) {
-        let call = &calls[c];
+    /// Insert one call. The trie keeps `call.tokens` as the rollout's last sequence and hands
+    /// back that rollout's previous buffer in its place, so a stream of calls allocates nothing.
+    pub fn insert(&mut self, call: &mut Call) {
         let seq = &call.tokens;
         let n_prompt = call.n_prompt;
         let r = self.rollout(&call.rollout_id);
@@ -153,8 +183,7 @@ impl Trie {
         self.stats.n_samples += (seq.len() - n_prompt) as u64;
 
         let mut last = std::mem::take(&mut self.last_path[r as usize]);
-        let previous: &[u32] = last.call.map_or(&[], |p| &calls[p].tokens);
-        let shared = previous.iter().zip(seq).take_while(|(a, b)| a == b).count();
+        let shared = common_prefix(&last.tokens, seq);
         last.nodes.truncate(shared);
         let mut parent = if shared > 0 { last.nodes[shared - 1] } else { NONE };
         let mut left = false;
@@ -190,7 +219,7 @@ impl Trie {
         if !left {
             self.stats.count(Cause::Duplicate);
         }
-        last.call = Some(c);
+        std::mem::swap(&mut last.tokens, &mut call.tokens);
         self.last_path[r as usize] = last;
     }
 
@@ -342,7 +371,7 @@ impl Trie {
                 sizes[parent as usize] += sizes[n as usize];
             }
         }
-        let mut out = Layout::default();
+        let mut out = Layout::with_capacity(order.len());
         out.offsets.push(0);
         for (p, &n) in order.iter().enumerate() {
             let parent = self.nodes[n as usize].parent;
@@ -413,7 +442,7 @@ mod tests {
 
     fn build(calls: &[Call]) -> Trie {
         let mut trie = Trie::new();
-        trie.insert_all(calls);
+        trie.insert_all(&mut calls.to_vec());
         trie
     }
 
@@ -491,6 +520,19 @@ mod tests {
         let tree = trie.tree();
         assert_eq!(tree.tokens, vec![1, 2, 3, 4, 5, 6]);
         assert_eq!(trie.stats().completion_fork, 1);
+    }
+
+    #[test]
+    fn common_prefix_agrees_with_a_plain_scan() {
+        let a: Vec<u32> = (0..300).collect();
+        for cut in [0, 1, 63, 64, 65, 200, 299, 300] {
+            let mut b = a.clone();
+            if cut < b.len() {
+                b[cut] = 9999;
+            }
+            assert_eq!(common_prefix(&a, &b), cut);
+            assert_eq!(common_prefix(&a[..cut.min(a.len())], &a), cut.min(a.len()));
+        }
     }
 
     #[test]
