@@ -215,8 +215,12 @@ class Learner:
         self.rank, self.world = _world()
         model.to(self.device)
         model.set_attn_implementation(_attention_impl(cfg, self.device))
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.gradient_checkpointing:  # transformers 5 renamed it; older versions have only the first
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref = None
         if cfg.kl_coef > 0:  # a frozen copy of the starting policy
             self.ref = PackedLM(copy.deepcopy(model).eval().requires_grad_(False))

@@ -50,6 +50,14 @@ def test_layouts_take_the_same_step():
     assert results["tree"][0].n_tokens <= results["paths"][0].n_tokens < results["percall"][0].n_tokens
 
 
+def test_gradient_checkpointing_takes_the_same_step():
+    calls = branchy_calls(np.random.default_rng(3), 211)
+    rs = rollouts({"a": 1.0, "b": 0.0})
+    plain, ckpt = learner(), learner(gradient_checkpointing=True)
+    assert plain.step(calls, rs).loss == ckpt.step(calls, rs).loss
+    torch.testing.assert_close(params(ckpt), params(plain), atol=1e-7, rtol=0)
+
+
 def test_step_moves_policy_toward_advantage():
     calls = branchy_calls(np.random.default_rng(4), 211)
     rs = rollouts({"a": 1.0, "b": 0.0})
