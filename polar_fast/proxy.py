@@ -260,7 +260,8 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
         t1 = t2 = time.perf_counter()
     else:
-        prompt = session.history.prompt(conv.messages, conv.tools)
+        # Rendering a long first prompt takes tens of ms: keep it off the event loop.
+        prompt = await asyncio.to_thread(session.history.prompt, conv.messages, conv.tools)
         sampling = _sampling(state, conv, len(prompt.ids))
         t1 = time.perf_counter()
         gen, version = await _generate(state, session, prompt.ids, sampling)

@@ -14,6 +14,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Callable
 
@@ -39,6 +40,9 @@ class Renderer:
         self.stop_ids = {self.eot_id}
         self._variables = dict(tokenizer.special_tokens_map)
         self._compiled = _compile(self.template)
+        self._encode_cached = functools.lru_cache(maxsize=64)(
+            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
+        )
 
     def text(self, messages: list[Message], tools: list[Tool], *, generation_prompt: bool) -> str:
         msgs = [template_message(m) for m in messages]
@@ -52,7 +56,23 @@ class Renderer:
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of rendered text. The text is cut after every end-of-turn mark and each turn
+        is tokenised on its own (identical ids: BPE never merges across a special token), with an
+        LRU cache per turn, so the system prompt + tool schemas that every session of a run
+        shares are tokenised once."""
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            end = text.find(self.eot, start)
+            end = len(text) if end < 0 else end + len(self.eot)
+            ids += self._encode_turn(text[start:end])
+            start = end
+        return ids
+
+    def _encode_turn(self, text: str) -> list[int]:
+        if len(text) < 2048:  # short turns: the cache would cost more than it saves
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return list(self._encode_cached(text))
 
     def render(self, messages: list[Message], tools: list[Tool]) -> list[int]:
         return self.encode(self.text(messages, tools, generation_prompt=True))

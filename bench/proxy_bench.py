@@ -1,0 +1,208 @@
+"""Proxy overhead: added latency and throughput of the capture proxy over direct engine calls.
+
+A fixed-latency fake engine (the scripted engine with `delay_s`) sits behind (a) the proxy, run
+in its own process as in production, driven over HTTP by simulated harness sessions, and (b)
+nothing: the same engine called directly with the same prompt token ids (the ids the proxy
+recorded for a session of the same shape). Sessions look like real harness runs: a first prompt
+of ~20k tokens (system prompt with tool schemas and a long task), then turns that each add the
+model's tool call, a tool result and get a short answer. Concurrency = sessions in flight.
+
+Prints one row per (concurrency, mode): p50/p99 latency through the proxy and direct, the added
+latency, requests/s both ways and their ratio. Correctness beside timing: every call after a
+session's first must be an exact-history extension. Last line:
+RESULT added_p50_ms=X added_p99_ms=Y rps_ratio=Z   (X, Y at concurrency 64 streaming; Z = proxy
+requests/s / direct requests/s at concurrency 256, streaming).
+
+    .venv/bin/python bench/proxy_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import uvloop
+
+TOOL_CALL = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la src/"}}\n</tool_call>'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name}: " + "Runs a command in the repository and returns its output. " * 8,
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string", "description": "the command line " * 4}},
+                "required": ["command"],
+            },
+        },
+    }
+    for name in ["bash", "read_file", "write_file", "search", "list_dir", "apply_patch", "run_tests", "git"]
+]
+
+
+def first_messages(session: int, prompt_tokens: int) -> list[dict]:
+    # ~80% shared by every session of a run (system prompt, as harnesses send), ~20% its own task.
+    system = " ".join(f"Rule {i}: keep edits minimal and run the tests." for i in range(prompt_tokens * 4 // 5 // 11))
+    task = f"Task {session}: " + " ".join(f"line{i % 997} of the failing traceback" for i in range(prompt_tokens // 5 // 7))
+    return [{"role": "system", "content": system}, {"role": "user", "content": task}]
+
+
+def tool_result(turn: int) -> str:
+    return "\n".join(f"-rw-r--r-- 1 user user {1000 + i} Jan {turn} file_{i}.py" for i in range(25))
+
+
+# ----------------------------------------------------------------------------- the proxy process
+
+
+def serve(port_file: str, delay_s: float) -> None:
+    from polar_fast.config import parse_config
+    from polar_fast.engines.scripted import ScriptedEngine
+    from polar_fast.model import load_tokenizer
+    from polar_fast.proxy import serve as serve_proxy
+    from polar_fast.records import RecordLog
+
+    async def main() -> None:
+        cfg = parse_config({"engine": {"kind": "scripted"}, "model": {"max_context_tokens": 1 << 20}, "proxy": {"history_max_calls": 4}})
+        tok = load_tokenizer("")
+        engine = ScriptedEngine([TOOL_CALL], tok, delay_s=delay_s, cycle=True)
+        log = RecordLog(Path(port_file).with_suffix(".log"))
+        async with serve_proxy(cfg, engine, log) as proxy:
+            Path(port_file).write_text(proxy.base_url)
+            await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def proxy_session(http, root: str, i: int, args, stream: bool, latencies: list[float]) -> str:
+    async with http.post(root + "/sessions", json={"rollout_id": f"r{i}"}) as r:
+        token = (await r.json())["token"]
+    messages = first_messages(i, args.prompt_tokens)
+    for turn in range(args.turns):
+        body = {"model": "m", "messages": messages, "tools": TOOLS, "stream": stream, "max_tokens": 64}
+        data = msgspec.json.encode(body)
+        t0 = time.perf_counter()
+        async with http.post(f"{root}/s/{token}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
+            payload = await r.read()
+        latencies.append(time.perf_counter() - t0)
+        assert r.status == 200, payload[:300]
+        call_id = f"call_{i}_{turn}"
+        args_text = json.dumps({"command": "ls -la src/"})
+        messages = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "bash", "arguments": args_text}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": tool_result(turn)},
+        ]
+    return token
+
+
+async def run_proxy(root: str, args, concurrency: int, stream: bool) -> tuple[list[float], float, list[list[int]]]:
+    latencies: list[float] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(proxy_session(http, root, i, args, stream, latencies) for i in range(concurrency)))
+        wall = time.perf_counter() - t0
+        async with http.get(f"{root}/sessions/{tokens[0]}/records") as r:
+            records = msgspec.json.decode(await r.read())
+        for token in tokens:
+            async with http.delete(f"{root}/sessions/{token}") as r:
+                await r.read()
+    histories = [c["history"] for c in records]
+    assert histories == ["render:first_call"] + ["exact"] * (args.turns - 1), histories
+    for a, b in zip(records, records[1:]):
+        joined = a["prompt_ids"] + a["completion_ids"]
+        assert b["prompt_ids"][: len(joined)] == joined
+    return latencies, len(latencies) / wall, [c["prompt_ids"] for c in records]
+
+
+async def run_direct(engine, prompts: list[list[int]], concurrency: int) -> tuple[list[float], float]:
+    from polar_fast.engines import Sampling
+
+    latencies: list[float] = []
+    sampling = Sampling(max_tokens=64)
+
+    async def session() -> None:
+        for ids in prompts:
+            t0 = time.perf_counter()
+            await engine.generate(ids, sampling)
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session() for _ in range(concurrency)))
+    return latencies, len(latencies) / (time.perf_counter() - t0)
+
+
+async def bench(root: str, args) -> None:
+    from polar_fast.engines.scripted import ScriptedEngine
+
+    engine = ScriptedEngine([[1] * 30], delay_s=args.delay_ms / 1000, cycle=True)
+    print(f"fake engine latency {args.delay_ms} ms, first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
+    header = f"{'conc':>5} {'mode':>6} {'n':>6} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>8} {'added p50':>10} {'p99':>8} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6}"
+    print(header)
+    results = {}
+    for concurrency in args.concurrency:
+        for stream in (False, True):
+            lat_p, rps_p, prompts = await run_proxy(root, args, concurrency, stream)
+            lat_d, rps_d = await run_direct(engine, prompts, concurrency)
+            ms = lambda x: x * 1000  # noqa: E731
+            added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
+            added99 = ms(percentile(lat_p, 0.99) - percentile(lat_d, 0.99))
+            mode = "sse" if stream else "json"
+            results[(concurrency, mode)] = (added50, added99, rps_p / rps_d)
+            print(
+                f"{concurrency:>5} {mode:>6} {len(lat_p):>6} {ms(percentile(lat_p, .5)):>10.2f} {ms(percentile(lat_p, .99)):>8.2f}"
+                f" {ms(percentile(lat_d, .5)):>11.2f} {ms(percentile(lat_d, .99)):>8.2f} {added50:>10.2f} {added99:>8.2f}"
+                f" {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f}",
+                flush=True,
+            )
+    mid = results.get((64, "sse")) or next(iter(results.values()))
+    top = results.get((256, "sse")) or list(results.values())[-1]
+    print(f"RESULT added_p50_ms={mid[0]:.3f} added_p99_ms={mid[1]:.3f} rps_ratio={top[2]:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small run, under 30 s")
+    p.add_argument("--prompt-tokens", type=int, default=20000)
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        return serve(args.serve, args.delay_ms / 1000)
+    if args.quick:
+        args.turns, args.prompt_tokens = 4, 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = os.path.join(tmp, "proxy.url")
+        server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--delay-ms", str(args.delay_ms)])
+        try:
+            while not os.path.exists(port_file) or not Path(port_file).read_text():
+                if server.poll() is not None:
+                    raise SystemExit("proxy process exited early")
+                time.sleep(0.1)
+            uvloop.run(bench(Path(port_file).read_text(), args))
+        finally:
+            server.terminate()
+            server.wait()
+
+
+if __name__ == "__main__":
+    main()

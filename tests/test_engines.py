@@ -1,0 +1,98 @@
+"""Engines: scripted replies, and the vLLM client against a fake `vllm serve` (a real aiohttp app
+on 127.0.0.1:0): token-id prompts, logprobs, the data-parallel rank header, retries, 503."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from polar_fast.engines import ENGINES, EngineFailed, EngineUnavailable, Sampling
+from polar_fast.engines.scripted import ScriptedEngine
+from polar_fast.engines.vllm import VllmEngine
+
+pytestmark = pytest.mark.anyio
+
+
+def test_engine_map():
+    assert set(ENGINES) == {"embedded", "scripted", "vllm"}
+
+
+async def test_scripted_in_order_and_truncated():
+    engine = ScriptedEngine([[5, 6, 7], [8]])
+    g1 = await engine.generate([1], Sampling(max_tokens=2))
+    assert (g1.token_ids, g1.finish_reason, len(g1.logprobs)) == ([5, 6], "length", 2)
+    assert (await engine.generate([1], Sampling())).token_ids == [8]
+    with pytest.raises(EngineUnavailable):
+        await engine.generate([1], Sampling())
+
+
+async def _fake_vllm(fail_first: int = 0):
+    seen: list[tuple[dict, dict]] = []
+    failures = {"left": fail_first}
+
+    async def completions(request):
+        body = await request.json()
+        seen.append((body, dict(request.headers)))
+        if failures["left"]:
+            failures["left"] -= 1
+            return web.Response(status=503, text="busy")
+        ids = [len(body["prompt"]), 2]
+        return web.json_response(
+            {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.25, -0.5]}, "finish_reason": "stop"}]}
+        )
+
+    async def chat(request):
+        body = await request.json()
+        seen.append((body, dict(request.headers)))
+        message = {"role": "assistant", "content": None, "reasoning_content": "r",
+                   "tool_calls": [{"id": "x", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]}
+        return web.json_response({"prompt_token_ids": [1, 2, 3], "choices": [
+            {"token_ids": [9, 2], "message": message, "finish_reason": "tool_calls",
+             "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server, seen
+
+
+async def test_vllm_generate_with_rank_header_and_retries():
+    server, seen = await _fake_vllm(fail_first=1)
+    engine = VllmEngine(str(server.make_url("")), model="m", data_parallel_size=4, retry_delay_s=0.01)
+    try:
+        gen = await engine.generate([7, 8, 9], Sampling(max_tokens=5, seed=3), session_id="abc")
+        assert (gen.token_ids, gen.logprobs, gen.finish_reason) == ([3, 2], [-0.25, -0.5], "stop")
+        body, headers = seen[-1]
+        assert body["prompt"] == [7, 8, 9] and body["return_token_ids"] and body["logprobs"] == 0 and body["seed"] == 3
+        assert headers["X-data-parallel-rank"] == str(engine.rank_of("abc"))
+        assert len(seen) == 2  # one 503, retried
+        reply = await engine.chat([{"role": "user", "content": "hi"}], [], Sampling(), session_id="abc")
+        assert reply.prompt_ids == [1, 2, 3] and reply.generation.logprobs == [-0.1, -0.2]
+    finally:
+        await engine.aclose()
+        await server.close()
+
+
+async def test_vllm_down_is_unavailable():
+    engine = VllmEngine("http://127.0.0.1:9", model="m", max_retries=1, retry_delay_s=0.01)
+    with pytest.raises(EngineUnavailable, match="unavailable after 2 tries"):
+        await engine.generate([1], Sampling())
+    await engine.aclose()
+
+
+async def test_vllm_bad_reply_is_engine_failure():
+    async def bad(request):
+        return web.json_response({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", bad)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    engine = VllmEngine(str(server.make_url("")), model="m")
+    with pytest.raises(EngineFailed, match="2 token ids but 1 logprobs"):
+        await engine.generate([1], Sampling())
+    await engine.aclose()
+    await server.close()
