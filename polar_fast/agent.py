@@ -1,0 +1,81 @@
+"""The agent stage's runner for real harnesses: one proxy session per rollout, the harness CLI in
+its sandbox, pointed at that session.
+
+    agent = HarnessAgent(proxy, get_harness("codex"), bundle_dir, model="qwen3", ...)
+    Pools(cfg.pools, factory, agent, agent_timeout_s=...)
+
+The harness bundle (Node + npm CLI, or mini-swe-agent's site dir) is mounted read-only. In a
+Docker box with `network = "none"` the proxy's Unix socket is mounted and a forwarder inside
+answers on loopback; with host networking or the local sandbox the harness reaches the proxy's
+TCP port directly. The session is closed when the run ends; its calls are kept here until the
+training loop takes the finished group (`take_calls`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polar_fast.harnesses import Harness
+from polar_fast.records import CallRecord
+from polar_fast.pools import AgentResult
+from polar_fast.proxy import Proxy
+from polar_fast.sandboxes import Mount, SandboxSpec
+from polar_fast.tasks import Task
+
+BUNDLE_MOUNT = "/opt/polar/harness"
+PROXY_PORT_IN_BOX = 18080  # loopback port the forwarder listens on inside a network-none box
+OUTPUT_TAIL_CHARS = 4000
+
+
+class HarnessAgent:
+    def __init__(self, proxy: Proxy, harness: Harness, bundle: Path, *, model: str, max_steps: int,
+                 use_socket: bool) -> None:
+        self.proxy = proxy
+        self.harness = harness
+        self.name = harness.name
+        self.model = model
+        self.max_steps = max_steps
+        self.use_socket = use_socket and bool(proxy.unix_socket)
+        self.mount = Mount(source=str(bundle), target=f"{BUNDLE_MOUNT}/{harness.name}", read_only=True)
+        self._calls: dict[str, list[CallRecord]] = {}  # rollout id -> its captured calls, until taken
+
+    def take_calls(self, rollout_ids: list[str], group_id: str) -> list[CallRecord]:
+        """The calls of a finished group's final rollouts, in rollout order. Calls of attempts
+        that hit an infra error (other ids of the same group) are dropped here; they stay in the
+        record log."""
+        calls = [c for rid in rollout_ids for c in self._calls.pop(rid, [])]
+        for rid in [r for r in self._calls if r.startswith(f"{group_id}-")]:
+            del self._calls[rid]
+        return calls
+
+    def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
+        if self.use_socket:
+            return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount],
+                               proxy_port=PROXY_PORT_IN_BOX, proxy_socket=self.proxy.unix_socket)
+        port = int(self.proxy.base_url.rsplit(":", 1)[1])
+        return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount], proxy_port=port)
+
+    async def run(self, box, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
+        session = self.proxy.new_session(rollout_id, group_id)
+        try:
+            cmd = self.harness.command(
+                prompt=task.problem_statement, proxy_url=f"{box.proxy_url}/s/{session.token}",
+                api_key=session.token, model=self.model, home=box.home, bundle=box.path(self.mount.target),
+                max_steps=self.max_steps,
+            )
+            await box.write_files({f"{box.home}/{rel}": text for rel, text in cmd.files.items()})
+            result = await box.exec(cmd.argv, env=cmd.env, cwd=box.workdir, timeout_s=timeout_s)
+        finally:
+            self.proxy.state.sessions.pop(session.token, None)  # late requests now get 401
+            self._calls[rollout_id] = list(session.records)
+        output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
+        return AgentResult(exit_code=result.exit_code, timed_out=result.timed_out, n_calls=session.n_calls,
+                           infra_error=self._engine_failure(session), output_tail=output)
+
+    def _engine_failure(self, session) -> str:
+        """A run whose calls failed on the engine side is the infrastructure's fault, not the
+        agent's: the pools retry it instead of scoring it 0."""
+        failures = getattr(session, "engine_failures", 0)
+        if failures and session.n_calls == 0:
+            return f"the engine failed {failures} of this rollout's calls and answered none"
+        return ""

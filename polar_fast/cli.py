@@ -1,0 +1,79 @@
+"""The command line. Parses arguments, loads the config once, runs one coroutine on uvloop.
+
+    python -m polar_fast --config run.toml [--resume] [--set section.key=value ...]   # train
+    python -m polar_fast serve --config run.toml [--host H] [--port P]
+    python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
+
+Errors a user can fix (bad config, output dir in use, missing model) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import uvloop
+
+from polar_fast.config import Config, load_config
+from polar_fast.errors import PolarError
+
+COMMANDS = ("train", "serve", "export")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m polar_fast", description="Agentic RL on unmodified coding harnesses.")
+    sub = p.add_subparsers(dest="command")
+    train = sub.add_parser("train", help="the training run (default command)")
+    serve = sub.add_parser("serve", help="the capture proxy alone, for collecting traces by hand")
+    export = sub.add_parser("export", help="test-verified sessions of a run as SFT data")
+    for q in (train, serve):
+        q.add_argument("--config", type=Path, help="run.toml (defaults apply to anything it leaves out)")
+        q.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one config value; repeatable")
+    train.add_argument("--resume", action="store_true", help="continue the run in run.output_dir")
+    train.add_argument("--quiet", action="store_true", help="no progress display, only the summary")
+    serve.add_argument("--host", help="listen address (default: proxy.host)")
+    serve.add_argument("--port", type=int, help="listen port (default: proxy.port, 0 = any free port)")
+    export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
+    export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
+    export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
+        argv.insert(0, "train")
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            from polar_fast.export import export_run
+
+            report = export_run(args.run, args.out, min_reward=args.min_reward)
+            print(report)
+            return 0
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "serve":
+            return _serve(cfg, args.host, args.port)
+        return _train(cfg, resume=args.resume, quiet=args.quiet)
+    except PolarError as e:
+        print(f"polar_fast: {e}", file=sys.stderr)
+        return 2
+
+
+def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
+    from polar_fast.app import train
+    from polar_fast.progress import Progress
+
+    with Progress(cfg, enabled=not quiet) as progress:
+        summary = uvloop.run(train(cfg, resume=resume, on_event=progress.event))
+    progress.print_summary(summary)
+    return 0
+
+
+def _serve(cfg: Config, host: str | None, port: int | None) -> int:
+    from polar_fast.serve import serve_forever
+
+    uvloop.run(serve_forever(cfg, host=host, port=port))
+    return 0
