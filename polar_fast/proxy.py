@@ -42,7 +42,7 @@ from polar_fast.dialects import Completion, Conversation, DialectError, Message,
 from polar_fast.dialects import anthropic, chat, responses
 from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
 from polar_fast.errors import ConfigError
-from polar_fast.records import CallRecord, RecordLog, Timings
+from polar_fast.records import CallRecord, ExchangeRecord, RecordLog, Timings
 from polar_fast.recorder import Recorder
 
 if TYPE_CHECKING:
@@ -294,7 +294,13 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     )
     session.n_calls += 1
     session.records.append(record)
-    await state.recorder.put(record)
+    exchange = ExchangeRecord(
+        session_id=session.session_id, rollout_id=session.rollout_id, group_id=session.group_id,
+        call_index=record.call_index, model=state.cfg.model.name, dialect=dialect.NAME,
+        messages=conv.messages, tools=conv.tools, reply=completion.as_message(),
+    )
+    # Both queued at once, so the writer appends them in one batch (the exchange feeds SFT export).
+    await asyncio.gather(state.recorder.put(record), state.recorder.put(exchange))
     meta = ReplyMeta(id=secrets.token_hex(12), created=int(started_at), model=conv.model or state.cfg.model.name)
     if not conv.stream:
         return web.Response(body=dialect.reply(completion, meta), content_type="application/json")

@@ -1,8 +1,10 @@
 """Records shared by every stage: captured model calls, finished rollouts, and their log on disk.
 
 A `CallRecord` is one model API call as the policy saw it: the exact prompt token ids, the sampled
-token ids and their behaviour logprobs. Everything downstream (merge, learner, SFT export) works
-from these records alone, so they carry ids and never text.
+token ids and their behaviour logprobs. Merge and learner work from these alone, so they carry ids
+and never text. Right after each CallRecord the proxy appends an `ExchangeRecord`: the same call
+as the canonical conversation (messages, tool schemas, the assistant reply), which the SFT export
+turns into chat data. It is kept apart so the training path never decodes text it does not need.
 
 `RecordLog` appends records to one file as length-prefixed, checksummed msgpack frames:
 
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Iterator
 
 import msgspec
+
+from polar_fast.dialects import Message, Tool
 
 _HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 1 << 30  # a length above this is corruption, not a record
@@ -85,7 +89,26 @@ class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     error: str = ""  # short reason for anything but `ok`
 
 
-Record = CallRecord | RolloutRecord
+class ExchangeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="exchange"):
+    """The canonical conversation of one call (the CallRecord with the same session and index).
+
+    `messages` is the request as every dialect translates it (system, user, assistant turns with
+    reasoning and tool calls, tool results); `reply` is the assistant message the proxy answered
+    with, parsed from the sampled ids. The whole conversation is stored each call, so every record
+    stands alone (a torn log or a lost call never corrupts a later one)."""
+
+    session_id: str
+    rollout_id: str
+    group_id: str
+    call_index: int
+    model: str  # the served policy model (model.name), not what the client asked for
+    dialect: str
+    messages: list[Message]
+    tools: list[Tool] = []
+    reply: Message
+
+
+Record = CallRecord | RolloutRecord | ExchangeRecord
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -139,6 +162,10 @@ class LogContents(msgspec.Struct, frozen=True):
     @property
     def rollouts(self) -> list[RolloutRecord]:
         return [r for r in self.records if isinstance(r, RolloutRecord)]
+
+    @property
+    def exchanges(self) -> list[ExchangeRecord]:
+        return [r for r in self.records if isinstance(r, ExchangeRecord)]
 
 
 def iter_frames(data: bytes) -> Iterator[tuple[int, Record]]:
