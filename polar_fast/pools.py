@@ -10,7 +10,9 @@
   hard timeout that kills its process tree, collect the diff, remove the box.
 - eval: `eval_workers` score the diff in a fresh sandbox from the same image (reward.py), so long
   test runs never hold an agent slot.
-Each task yields one group of `group_size` rollouts; `on_group` receives a group when all its
+Each task yields one group of `group_size` rollouts (a `GroupSpec` item instead names its own
+group id and size; the task source may be an async iterable, e.g. a memory stream that a
+service feeds); `on_group` receives a group when all its
 rollouts have a final record. A slow `on_group` fills the queues behind it and finally stops the
 producer: backpressure all the way to the task list.
 
@@ -32,7 +34,7 @@ import bisect
 import contextlib
 import math
 import time
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Any, AsyncIterable, Awaitable, Callable, Iterable, Protocol
 
 import anyio
 import msgspec
@@ -161,10 +163,20 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     evals: dict[str, EvalResult]  # rollout id -> per-test results (ok rollouts)
 
 
+class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One group to run, with its id and size chosen by the caller (a plain Task gets
+    `<instance_id>-g<n>` and `pools.group_size`)."""
+
+    task: Task
+    group_id: str
+    group_size: int
+
+
 class _Job(msgspec.Struct, kw_only=True):
     task: Task
     group_id: str
     index: int  # position in the group
+    group_size: int
     attempt: int = 0
     started_at: float = 0.0
 
@@ -217,7 +229,8 @@ class Pools:
             rollouts_done=self._rollouts_done, retries=self._retries, elapsed_s=self.clock() - self._started_at,
         )
 
-    async def run(self, tasks: Iterable[Task], on_group: Callable[[RolloutGroup], Awaitable[None]]) -> None:
+    async def run(self, tasks: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec],
+                  on_group: Callable[[RolloutGroup], Awaitable[None]]) -> None:
         cfg = self.cfg
         self._started_at = self.clock()
         for stage in self._stages.values():
@@ -253,15 +266,26 @@ class Pools:
 
     # -------------------------------------------------------------------------- producer + grouper
 
-    async def _producer(self, tasks: Iterable[Task]) -> None:
-        for n, task in enumerate(tasks):
-            group_id = f"{task.instance_id}-g{n}"
-            for index in range(self.cfg.group_size):
-                await self._new_slots.acquire()
-                self._unfinished += 1
-                self._boot_tx.send_nowait(_Job(task=task, group_id=group_id, index=index, started_at=self.clock()))
+    async def _producer(self, tasks: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec]) -> None:
+        if isinstance(tasks, AsyncIterable):
+            n = 0
+            async for item in tasks:
+                await self._produce(n, item)
+                n += 1
+        else:
+            for n, item in enumerate(tasks):
+                await self._produce(n, item)
         self._producer_done = True
         self._maybe_close_boot()
+
+    async def _produce(self, n: int, item: Task | GroupSpec) -> None:
+        if not isinstance(item, GroupSpec):
+            item = GroupSpec(task=item, group_id=f"{item.instance_id}-g{n}", group_size=self.cfg.group_size)
+        for index in range(item.group_size):
+            await self._new_slots.acquire()
+            self._unfinished += 1
+            self._boot_tx.send_nowait(_Job(task=item.task, group_id=item.group_id, index=index,
+                                           group_size=item.group_size, started_at=self.clock()))
 
     def _maybe_close_boot(self) -> None:
         if self._producer_done and self._unfinished == 0:
@@ -274,9 +298,9 @@ class Pools:
                 group = pending.setdefault(final.job.group_id, {})
                 group[final.job.index] = final
                 self._rollouts_done += 1
-                if len(group) == self.cfg.group_size:
+                if len(group) == final.job.group_size:
                     del pending[final.job.group_id]
-                    finals = [group[i] for i in range(self.cfg.group_size)]
+                    finals = [group[i] for i in range(final.job.group_size)]
                     await on_group(RolloutGroup(
                         group_id=final.job.group_id, task=final.job.task,
                         rollouts=[f.record for f in finals],
@@ -301,7 +325,8 @@ class Pools:
         if job.attempt < self.cfg.infra_retries:
             self._retries += 1
             self._boot_tx.send_nowait(_Job(task=job.task, group_id=job.group_id, index=job.index,
-                                           attempt=job.attempt + 1, started_at=job.started_at))
+                                           group_size=job.group_size, attempt=job.attempt + 1,
+                                           started_at=job.started_at))
         else:
             await done_tx.send(_Final(job=job, record=self._record(job, Outcome.INFRA_ERROR, reward=None, error=message)))
 
