@@ -153,6 +153,17 @@ class RunConfig(_Section):
     tensorboard: bool = True
 
 
+class RolloutServiceConfig(_Section):
+    """The rollout-service HTTP API for external trainers (its own port, beside the proxy)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    api_key: str = ""  # required (Bearer / x-api-key) when host is not loopback
+    max_pending_groups: int = 64  # submitted groups not yet finished; more get 429
+    keep_groups: int = 256  # finished groups whose batches stay fetchable; oldest dropped first
+    layout: Literal["tree", "paths"] = "tree"  # merge layout of the batches
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -165,6 +176,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     pools: PoolsConfig = PoolsConfig()
     merge: MergeConfig = MergeConfig()
     learner: LearnerConfig = LearnerConfig()
+    rollout_service: RolloutServiceConfig = RolloutServiceConfig()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
