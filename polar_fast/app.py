@@ -33,10 +33,17 @@ import msgspec
 
 from polar_fast.agent import HarnessAgent
 from polar_fast.config import Config
+from polar_fast.engines import build_engine
 from polar_fast.errors import PolarError
+from polar_fast.grpo import Learner
+from polar_fast.harnesses import default_bundle_root, get_harness
 from polar_fast.metrics import MetricsWriter
+from polar_fast.pools import Pools
+from polar_fast.proxy import serve
 from polar_fast.records import CallRecord, Outcome, RecordLog
-from polar_fast.tasks import Task
+from polar_fast.sandboxes import make_sandbox_factory
+from polar_fast.tasks import Task, load_tasks
+from polar_fast.weight_sync import DiskSync, EngineSync
 
 SOCKET_DIR_PREFIX = "polar-proxy-"
 
@@ -85,14 +92,14 @@ def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
         yield from epoch
 
 
-def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
+def _prepare_output_dir(cfg: Config, resume: bool) -> tuple[Path, str]:
     out = Path(cfg.run.output_dir)
     has_state = (out / "records.log").exists() or (out / "checkpoints").exists()
     if has_state and not resume:
         raise RunError(f"{out} already holds a run: pass --resume to continue it, or set run.output_dir")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
-    return out
+    return out, run_id_for(out)
 
 
 def _with_proxy_socket(cfg: Config, socket_dir: str) -> Config:
@@ -104,8 +111,6 @@ def _with_proxy_socket(cfg: Config, socket_dir: str) -> Config:
 
 
 def _weight_sync(cfg: Config, engine, run_dir: Path):
-    from polar_fast.weight_sync import DiskSync, EngineSync
-
     if cfg.engine.kind == "vllm":
         return DiskSync(engine, run_dir / "weights")
     return EngineSync(engine)
@@ -140,18 +145,9 @@ class _StopSignal:
 async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, dict], None] | None = None) -> RunSummary:
     """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
     "status" (every second), "step" (after each step) and "info" events for progress display."""
-    from polar_fast.engines import build_engine
-    from polar_fast.grpo import Learner
-    from polar_fast.harnesses import default_bundle_root, get_harness
-    from polar_fast.pools import Pools
-    from polar_fast.proxy import serve
-    from polar_fast.sandboxes import make_sandbox_factory
-    from polar_fast.tasks import load_tasks
-
     emit = on_event or (lambda kind, data: None)
     summary = RunSummary()
-    run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
-    run_id = run_id_for(run_dir)
+    run_dir, run_id = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
 
     tc = cfg.tasks
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed)
@@ -172,7 +168,8 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     summary.leftovers_removed = await factory.remove_leftovers(run_id)
     log = await asyncio.to_thread(RecordLog, run_dir / "records.log", fsync=cfg.proxy.record_fsync)
     metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
-    socket_dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)  # short path: Unix sockets cap at ~108 bytes
+    # a short path: Unix socket paths cap at ~108 bytes
+    socket_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=SOCKET_DIR_PREFIX)
     cfg = _with_proxy_socket(cfg, socket_dir)
     try:
         with _StopSignal(asyncio.current_task()) as stop:
@@ -184,15 +181,19 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
     finally:
-        metrics.close()
-        log.close()
+        await asyncio.to_thread(_close_files, metrics, log, socket_dir)
         await engine.aclose()
         with contextlib.suppress(AttributeError):
             await factory.aclose()
-        with contextlib.suppress(OSError):
-            Path(socket_dir, "proxy.sock").unlink(missing_ok=True)
-            Path(socket_dir).rmdir()
     return summary
+
+
+def _close_files(metrics: MetricsWriter, log: RecordLog, socket_dir: str) -> None:
+    metrics.close()
+    log.close()
+    with contextlib.suppress(OSError):
+        Path(socket_dir, "proxy.sock").unlink(missing_ok=True)
+        Path(socket_dir).rmdir()
 
 
 class _Loop:

@@ -1,0 +1,116 @@
+"""The training run end to end: real pools, real harness CLI, real proxy, real merge and learner.
+
+The model's choices are scripted (ScriptedEngine through the real SmolLM2 tokenizer): in each
+group the first rollout applies the task's known fix and the second does nothing, so rewards
+differ, advantages are non-zero and the learner really updates the weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from polar_fast import merge
+from polar_fast.app import RunError, train
+from polar_fast.config import parse_config
+from polar_fast.records import read_log
+from polar_fast.tasks import load_builtin
+
+TASK = load_builtin()[0]
+
+
+def bash_call(command: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+
+
+def fix_command(patch: str) -> str:
+    return f"cat > /tmp/fix.patch <<'POLAR_EOF'\n{patch}POLAR_EOF\ngit apply /tmp/fix.patch"
+
+
+SUBMIT = bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+# one group: rollout 0 fixes the bug, rollout 1 looks around and gives up
+GROUP_REPLIES = [bash_call(fix_command(TASK.patch)), SUBMIT, bash_call("ls"), SUBMIT]
+
+
+def run_config(tmp_path, *, steps: int = 1, sandbox: dict | None = None, harness: str = "mini-swe-agent",
+               replies: list[str] = GROUP_REPLIES, **sections):
+    raw = {
+        "run": {"output_dir": str(tmp_path / "run"), "steps": steps, "groups_per_step": 1,
+                "tensorboard": True, "max_staleness": 4},
+        "engine": {"kind": "scripted", "scripted_replies": replies * steps},
+        "sampling": {"max_tokens": 4096},
+        "sandbox": sandbox or {"kind": "local"},
+        "harness": {"name": harness, "max_steps": 4, "timeout_s": 120},
+        "tasks": {"source": "builtin", "limit": 1},
+        # one agent slot and one boot worker: rollouts consume the scripted replies in order
+        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
+        "learner": {"lr": 1e-3},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return parse_config(raw)
+
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path):
+    cfg = run_config(tmp_path)
+    summary = await train(cfg)
+
+    assert summary.outcomes == {"ok": 2}
+    [step] = summary.steps
+    assert step["learner/step"] == 1 and step["learner/version"] == 1
+    assert step["reward/mean"] == 0.5 and step["learner/n_rollouts"] == 2
+    assert step["learner/n_terms"] == step["proxy/sampled_tokens"] > 0
+    assert 0 < step["merge/tokens_forwarded"] < step["proxy/call_tokens"]
+    assert step["learner/grad_norm"] > 0
+    assert summary.checkpoint.endswith("step_1.pt")
+    await anyio.to_thread.run_sync(check_run_files, tmp_path / "run", step)
+
+
+def check_run_files(run, step) -> None:
+    contents = read_log(run / "records.log")
+    assert contents.torn_bytes == 0
+    rewards = {r.rollout_id: r.reward for r in contents.rollouts}
+    assert sorted(rewards.values()) == [0.0, 1.0]
+    calls = contents.calls
+    assert len(calls) == 4 and {c.policy_version for c in calls} == {0}
+    by_rollout = {}
+    for c in calls:
+        by_rollout.setdefault(c.rollout_id, []).append(c)
+    for first, second in by_rollout.values():  # exact history across the harness's two turns
+        assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == \
+            first.prompt_ids + first.completion_ids
+    merged = merge.merge(calls)
+    assert merged.stats.n_breaks == 0 and merged.stats.n_samples == step["learner/n_terms"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1]
+    assert list((run / "tensorboard").iterdir())
+
+
+@pytest.mark.anyio
+async def test_an_output_dir_in_use_is_refused_without_resume(tmp_path):
+    await anyio.to_thread.run_sync(lambda: (tmp_path / "run").mkdir())
+    await anyio.to_thread.run_sync((tmp_path / "run" / "records.log").write_bytes, b"")
+    with pytest.raises(RunError, match="--resume"):
+        await train(run_config(tmp_path))
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
+    from polar_fast.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner]\nlr = 'fast'\n")
+    assert main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "learner.lr" in err and "float" in err and "Traceback" not in err
