@@ -76,7 +76,8 @@ def _use_then_interrupt(proc: subprocess.Popen) -> None:
         assert session["base_url"] == f"{url}/s/{session['token']}"
         messages = [{"role": "user", "content": "list files"}]
         tools = [{"type": "function", "function": {"name": "bash", "parameters": SCHEMA}}]
-        reply = _post(f"{session['base_url']}/v1/chat/completions", {"model": "m", "messages": messages, "tools": tools})
+        body = {"model": "m", "messages": messages, "tools": tools}
+        reply = _post(f"{session['base_url']}/v1/chat/completions", body)
         (call,) = reply["choices"][0]["message"]["tool_calls"]
         assert call["function"]["name"] == "bash" and json.loads(call["function"]["arguments"]) == {"command": "ls"}
         proc.send_signal(signal.SIGINT)
