@@ -121,12 +121,21 @@ def encode_frame(record: Record) -> bytes:
 
 class RecordLog:
     """Append-only record file. One `os.write` per frame, so concurrent appenders never interleave
-    bytes within a frame (O_APPEND). `fsync=True` makes each append durable before it returns."""
+    bytes within a frame (O_APPEND). `fsync=True` makes each append durable before it returns.
+
+    Opening an existing log first cuts off a torn tail left by a crash (`repaired_bytes` says how
+    much), so records appended by a resumed run stay readable after the old ones."""
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
+        self.repaired_bytes = 0
+        if self.path.exists():
+            contents = read_log(self.path)
+            if contents.torn_bytes:
+                os.truncate(self.path, contents.valid_bytes)
+                self.repaired_bytes = contents.torn_bytes
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: Record) -> None:

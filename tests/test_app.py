@@ -8,6 +8,11 @@ differ, advantages are non-zero and the learner really updates the weights.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import anyio
 import msgspec
@@ -114,3 +119,72 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
     assert main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "learner.lr" in err and "float" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------- kill -9, then resume
+
+
+def toml_text(raw: dict) -> str:
+    """Enough TOML for a run config: one table per section, scalar and list values."""
+    lines = []
+    for section, values in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_containers(run_id: str) -> list[str]:
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=polar_fast.run={run_id}"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    return out.stdout.split()
+
+
+def wait_for(predicate, timeout_s: float, proc) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the run exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(900)
+def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, docker_required, base_image):
+    from polar_fast.app import run_id_for
+
+    out = tmp_path / "run"
+    raw = {
+        "run": {"output_dir": str(out), "steps": 2, "groups_per_step": 1, "max_staleness": 4,
+                "tensorboard": False},
+        "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES * 3},
+        "sampling": {"max_tokens": 4096},
+        "sandbox": {"kind": "docker", "network": "none"},
+        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 120},
+        "tasks": {"source": "builtin", "limit": 1},
+        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
+    }
+    config = tmp_path / "run.toml"
+    config.write_text(toml_text(raw))
+    command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
+    with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        try:
+            # step 1 is checkpointed and the next group is already running
+            wait_for(lambda: (out / "checkpoints" / "step_1.pt").exists()
+                     and len(read_log(out / "records.log").calls) > 4, 600, proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    before = read_log(out / "records.log")
+    assert len(before.calls) > 4
+
+    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+
+    after = read_log(out / "records.log")
+    assert after.records[: len(before.records)] == before.records  # nothing captured was lost
+    assert len(after.calls) > len(before.calls) and after.torn_bytes == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the same step numbering across the kill
+    assert (out / "checkpoints" / "step_2.pt").exists()
+    assert run_containers(run_id_for(out)) == []

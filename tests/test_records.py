@@ -91,6 +91,19 @@ def test_appends_after_a_crash_are_recovered_up_to_the_tear(tmp_path):
     assert contents.calls == [make_call(0)] and contents.torn_bytes == 10
 
 
+def test_reopening_cuts_a_torn_tail_so_new_appends_stay_readable(tmp_path):
+    path = tmp_path / "calls.log"
+    with RecordLog(path) as log:
+        log.append(make_call(0))
+    with open(path, "ab") as f:
+        f.write(encode_frame(make_call(1))[:10])
+    with RecordLog(path) as log:  # a resumed run
+        assert log.repaired_bytes == 10
+        log.append(make_call(2))
+    contents = read_log(path)
+    assert contents.calls == [make_call(0), make_call(2)] and contents.torn_bytes == 0
+
+
 def test_kill_9_mid_stream_loses_nothing_written(tmp_path):
     path = tmp_path / "calls.log"
     script = textwrap.dedent(
