@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import random
 import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,22 +29,14 @@ from typing import Callable, Iterator
 
 import msgspec
 
-from polar_fast.agent import HarnessAgent
 from polar_fast.config import Config
-from polar_fast.engines import build_engine
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner
-from polar_fast.harnesses import default_bundle_root, get_harness
 from polar_fast.metrics import MetricsWriter
-from polar_fast.pools import Pools
-from polar_fast.proxy import serve
-from polar_fast.records import CallRecord, Outcome, RecordLog
-from polar_fast.sandboxes import make_sandbox_factory
+from polar_fast.records import CallRecord, Outcome
+from polar_fast.rollouts import open_rollouts
 from polar_fast.tasks import Task, load_tasks
 from polar_fast.weight_sync import DiskSync, EngineSync
-
-SOCKET_DIR_PREFIX = "polar-proxy-"
-
 
 class RunError(PolarError):
     """The run cannot start (output dir in use, no tasks, ...); the message says what to do."""
@@ -75,12 +65,6 @@ class RunSummary:
     checkpoint: str = ""
 
 
-def run_id_for(output_dir: Path) -> str:
-    """Stable across resumes of the same output dir: it labels the run's sandboxes."""
-    digest = hashlib.sha256(str(output_dir.resolve()).encode()).hexdigest()[:10]
-    return f"{output_dir.name}-{digest}"
-
-
 def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
     """Endless epochs over the task list, each in a fresh seeded order."""
     if not tasks:
@@ -92,22 +76,14 @@ def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
         yield from epoch
 
 
-def _prepare_output_dir(cfg: Config, resume: bool) -> tuple[Path, str]:
+def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
     out = Path(cfg.run.output_dir)
     has_state = (out / "records.log").exists() or (out / "checkpoints").exists()
     if has_state and not resume:
         raise RunError(f"{out} already holds a run: pass --resume to continue it, or set run.output_dir")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
-    return out, run_id_for(out)
-
-
-def _with_proxy_socket(cfg: Config, socket_dir: str) -> Config:
-    """A Docker box without a network reaches the proxy through a Unix socket we mount."""
-    if cfg.sandbox.kind == "docker" and cfg.sandbox.network == "none" and not cfg.proxy.unix_socket:
-        proxy = msgspec.structs.replace(cfg.proxy, unix_socket=f"{socket_dir}/proxy.sock")
-        return msgspec.structs.replace(cfg, proxy=proxy)
-    return cfg
+    return out
 
 
 def _weight_sync(cfg: Config, engine, run_dir: Path):
@@ -147,53 +123,28 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     "status" (every second), "step" (after each step) and "info" events for progress display."""
     emit = on_event or (lambda kind, data: None)
     summary = RunSummary()
-    run_dir, run_id = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
-
+    run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     tc = cfg.tasks
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed)
-    harness = get_harness(cfg.harness.name)
-    bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
-    emit("info", {"message": f"installing harness {harness.name} (cached after the first run)"})
-    bundle = await asyncio.to_thread(harness.install, bundle_root)
-    emit("info", {"message": f"loading model for engine ({cfg.engine.kind}) and learner"})
-    engine = await asyncio.to_thread(build_engine, cfg)
+    emit("info", {"message": "loading the model for the learner"})
     learner = await asyncio.to_thread(Learner.from_config, cfg)
     if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
-    sync = _weight_sync(cfg, engine, run_dir)
-    if learner.version:
-        await learner.sync_weights(sync)
-
-    factory = make_sandbox_factory(cfg.sandbox, run_id=run_id)
-    summary.leftovers_removed = await factory.remove_leftovers(run_id)
-    log = await asyncio.to_thread(RecordLog, run_dir / "records.log", fsync=cfg.proxy.record_fsync)
     metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
-    # a short path: Unix socket paths cap at ~108 bytes
-    socket_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=SOCKET_DIR_PREFIX)
-    cfg = _with_proxy_socket(cfg, socket_dir)
     try:
-        with _StopSignal(asyncio.current_task()) as stop:
-            async with serve(cfg, engine, log) as proxy:
-                agent = HarnessAgent(proxy, harness, bundle, model=cfg.model.name, max_steps=cfg.harness.max_steps,
-                                     use_socket=bool(cfg.proxy.unix_socket))
-                pools = Pools(cfg.pools, factory, agent, agent_timeout_s=cfg.harness.timeout_s)
-                loop = _Loop(cfg, learner, sync, pools, agent, proxy, metrics, summary, stop.event, emit)
+        async with open_rollouts(cfg, run_dir, emit=emit) as rollouts:
+            summary.leftovers_removed = rollouts.leftovers_removed
+            sync = _weight_sync(cfg, rollouts.engine, run_dir)
+            if learner.version:  # the engine starts from the resumed policy
+                await learner.sync_weights(sync)
+            with _StopSignal(asyncio.current_task()) as stop:
+                loop = _Loop(rollouts.cfg, learner, sync, rollouts.pools(), rollouts.agent, rollouts.proxy,
+                             metrics, summary, stop.event, emit)
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
     finally:
-        await asyncio.to_thread(_close_files, metrics, log, socket_dir)
-        await engine.aclose()
-        with contextlib.suppress(AttributeError):
-            await factory.aclose()
+        await asyncio.to_thread(metrics.close)
     return summary
-
-
-def _close_files(metrics: MetricsWriter, log: RecordLog, socket_dir: str) -> None:
-    metrics.close()
-    log.close()
-    with contextlib.suppress(OSError):
-        Path(socket_dir, "proxy.sock").unlink(missing_ok=True)
-        Path(socket_dir).rmdir()
 
 
 class _Loop:

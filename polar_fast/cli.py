@@ -1,7 +1,7 @@
 """The command line. Parses arguments, loads the config once, runs one coroutine on uvloop.
 
     python -m polar_fast --config run.toml [--resume] [--set section.key=value ...]   # train
-    python -m polar_fast serve --config run.toml [--host H] [--port P]
+    python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
 
 Errors a user can fix (bad config, output dir in use, missing model) print one line and exit 2.
@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress display, only the summary")
     serve.add_argument("--host", help="listen address (default: proxy.host)")
     serve.add_argument("--port", type=int, help="listen port (default: proxy.port, 0 = any free port)")
+    serve.add_argument("--rollouts", action="store_true",
+                       help="serve the rollout-service API for external trainers instead of the bare proxy "
+                            "([rollout_service] host/port; the proxy runs behind it)")
     export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
     export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
     export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "serve":
-            return _serve(cfg, args.host, args.port)
+            return _serve(cfg, args.host, args.port, rollouts=args.rollouts)
         return _train(cfg, resume=args.resume, quiet=args.quiet)
     except PolarError as e:
         print(f"polar_fast: {e}", file=sys.stderr)
@@ -72,7 +75,12 @@ def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
     return 0
 
 
-def _serve(cfg: Config, host: str | None, port: int | None) -> int:
+def _serve(cfg: Config, host: str | None, port: int | None, *, rollouts: bool) -> int:
+    if rollouts:
+        from polar_fast.rollout_service import serve_rollouts
+
+        uvloop.run(serve_rollouts(cfg, host=host, port=port))
+        return 0
     from polar_fast.serve import serve_forever
 
     uvloop.run(serve_forever(cfg, host=host, port=port))

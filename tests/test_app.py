@@ -151,7 +151,7 @@ def wait_for(predicate, timeout_s: float, proc) -> None:
 @pytest.mark.docker
 @pytest.mark.timeout(900)
 def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, docker_required, base_image):
-    from polar_fast.app import run_id_for
+    from polar_fast.rollouts import run_id_for
 
     out = tmp_path / "run"
     raw = {
