@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,14 +58,23 @@ def first_messages(session: int, prompt_tokens: int) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": task}]
 
 
-def tool_result(turn: int) -> str:
-    return "\n".join(f"-rw-r--r-- 1 user user {1000 + i} Jan {turn} file_{i}.py" for i in range(25))
+def tool_result(session: int, turn: int) -> str:
+    # Each session's own output (no cache can serve it from another session), ~700 tokens.
+    return "\n".join(f"-rw-r--r-- 1 user user {1000 + i * session % 9973} Jan {turn} s{session}_file_{i}.py" for i in range(25))
 
 
 # ----------------------------------------------------------------------------- the proxy process
 
 
-def serve(port_file: str, delay_s: float) -> None:
+class _Discard(list):
+    """The scripted engine keeps every prompt for tests; here that would only grow memory (and
+    the garbage collector's work) on both sides of the comparison."""
+
+    def append(self, item: object) -> None:
+        pass
+
+
+def serve(port_file: str, delay_s: float, profile: str = "") -> None:
     from polar_fast.config import parse_config
     from polar_fast.engines.scripted import ScriptedEngine
     from polar_fast.model import load_tokenizer
@@ -75,12 +85,21 @@ def serve(port_file: str, delay_s: float) -> None:
         cfg = parse_config({"engine": {"kind": "scripted"}, "model": {"max_context_tokens": 1 << 20}, "proxy": {"history_max_calls": 4}})
         tok = load_tokenizer("")
         engine = ScriptedEngine([TOOL_CALL], tok, delay_s=delay_s, cycle=True)
+        engine.prompts = _Discard()
         log = RecordLog(Path(port_file).with_suffix(".log"))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         async with serve_proxy(cfg, engine, log) as proxy:
             Path(port_file).write_text(proxy.base_url)
-            await asyncio.Event().wait()
+            await stop.wait()
 
-    uvloop.run(main())
+    if not profile:
+        return uvloop.run(main())
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        uvloop.run(main())
+    prof.dump_stats(profile)
 
 
 # ----------------------------------------------------------------------------- load
@@ -107,7 +126,7 @@ async def proxy_session(http, root: str, i: int, args, stream: bool, latencies: 
         args_text = json.dumps({"command": "ls -la src/"})
         messages = messages + [
             {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "bash", "arguments": args_text}}]},
-            {"role": "tool", "tool_call_id": call_id, "content": tool_result(turn)},
+            {"role": "tool", "tool_call_id": call_id, "content": tool_result(i, turn)},
         ]
     return token
 
@@ -149,17 +168,26 @@ async def run_direct(engine, prompts: list[list[int]], concurrency: int) -> tupl
     return latencies, len(latencies) / (time.perf_counter() - t0)
 
 
-async def bench(root: str, args) -> None:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench(root: str, args, server_pid: int) -> None:
     from polar_fast.engines.scripted import ScriptedEngine
 
     engine = ScriptedEngine([[1] * 30], delay_s=args.delay_ms / 1000, cycle=True)
+    engine.prompts = _Discard()
     print(f"fake engine latency {args.delay_ms} ms, first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
-    header = f"{'conc':>5} {'mode':>6} {'n':>6} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>8} {'added p50':>10} {'p99':>8} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6}"
+    header = f"{'conc':>5} {'mode':>6} {'n':>6} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>8} {'added p50':>10} {'p99':>8} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10}"
     print(header)
     results = {}
     for concurrency in args.concurrency:
         for stream in (False, True):
+            cpu0 = cpu_s(server_pid)
             lat_p, rps_p, prompts = await run_proxy(root, args, concurrency, stream)
+            cpu_ms = (cpu_s(server_pid) - cpu0) * 1000 / len(lat_p)
             lat_d, rps_d = await run_direct(engine, prompts, concurrency)
             ms = lambda x: x * 1000  # noqa: E731
             added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
@@ -169,7 +197,7 @@ async def bench(root: str, args) -> None:
             print(
                 f"{concurrency:>5} {mode:>6} {len(lat_p):>6} {ms(percentile(lat_p, .5)):>10.2f} {ms(percentile(lat_p, .99)):>8.2f}"
                 f" {ms(percentile(lat_d, .5)):>11.2f} {ms(percentile(lat_d, .99)):>8.2f} {added50:>10.2f} {added99:>8.2f}"
-                f" {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f}",
+                f" {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f}",
                 flush=True,
             )
     mid = results.get((64, "sse")) or next(iter(results.values()))
@@ -184,21 +212,23 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--profile", default="", help="write a cProfile of the proxy process to this file")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        return serve(args.serve, args.delay_ms / 1000)
+        return serve(args.serve, args.delay_ms / 1000, args.profile)
     if args.quick:
         args.turns, args.prompt_tokens = 4, 20000
     with tempfile.TemporaryDirectory() as tmp:
         port_file = os.path.join(tmp, "proxy.url")
-        server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, "--delay-ms", str(args.delay_ms)])
+        cmd = [sys.executable, __file__, "--serve", port_file, "--delay-ms", str(args.delay_ms), "--profile", args.profile]
+        server = subprocess.Popen(cmd)
         try:
             while not os.path.exists(port_file) or not Path(port_file).read_text():
                 if server.poll() is not None:
                     raise SystemExit("proxy process exited early")
                 time.sleep(0.1)
-            uvloop.run(bench(Path(port_file).read_text(), args))
+            uvloop.run(bench(Path(port_file).read_text(), args, server.pid))
         finally:
             server.terminate()
             server.wait()

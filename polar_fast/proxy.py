@@ -11,7 +11,7 @@ Routes (each `/v1/...` route also lives under `/s/<token>/v1/...`):
 A request's session comes from the path token, else from its API key (`Authorization: Bearer`
 or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: dialect.parse →
 History.prompt (exact-history ids) → engine.generate → Renderer.parse → record (awaited on disk)
-→ reply or SSE in one write. Every failure is answered in the caller's dialect: bad input 400,
+→ reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
 unknown session 401, unknown route 404, body over `proxy.max_body_bytes` 413, engine down 503,
 engine timeout 504, other engine failure 502; a 500 means a bug here. Handler cancellation
 stays off (aiohttp default), so a client hanging up never tears a record in half.
@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import math
 import os
+import random
 import secrets
 import socket
 import stat
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import msgspec
 from aiohttp import web
 
-from polar_fast.chat.history import History
+from polar_fast.chat.history import History, Prompt
 from polar_fast.chat.render import Renderer, template_tool
 from polar_fast.dialects import Completion, Conversation, DialectError, Message, ReplyMeta, ToolCall
 from polar_fast.dialects import anthropic, chat, responses
@@ -228,9 +229,31 @@ def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Samplin
     return Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
 
 
+# Reply and tool-call ids only need to be unique, not secret: a seeded PRNG instead of
+# os.urandom per id (a syscall each, slow on some VMs). Session tokens stay `secrets`.
+_ids = random.Random(secrets.randbits(128))
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+# Suffixes shorter than this are tokenised on the event loop: a worker-thread hop costs more.
+_INLINE_ENCODE_CHARS = 1024
+
+
+def _reply_id() -> str:
+    return f"{_ids.getrandbits(96):024x}"
+
+
 def _call_id(dialect: ModuleType) -> str:
     prefix = {"anthropic": "toolu_", "responses": "call_"}.get(dialect.NAME, "call_")
-    return prefix + secrets.token_hex(12)
+    return prefix + _reply_id()
+
+
+async def _prompt(history: History, conv: Conversation) -> Prompt:
+    """Exact history: match and render the new suffix here (cheap), tokenise it in a worker
+    thread when long (the tokenizer releases the GIL). A whole render (first call, no match)
+    runs in a worker thread entirely: a long first prompt takes tens of ms."""
+    plan = history.plan(conv.messages, conv.tools)
+    if plan.whole or len(plan.text) > _INLINE_ENCODE_CHARS:
+        return await asyncio.to_thread(history.finish, plan, conv.messages, conv.tools)
+    return history.finish(plan, conv.messages, conv.tools)
 
 
 async def _generate(state: ProxyState, session: Session, prompt_ids: list[int], sampling: Sampling):
@@ -260,8 +283,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
         t1 = t2 = time.perf_counter()
     else:
-        # Rendering a long first prompt takes tens of ms: keep it off the event loop.
-        prompt = await asyncio.to_thread(session.history.prompt, conv.messages, conv.tools)
+        prompt = await _prompt(session.history, conv)
         sampling = _sampling(state, conv, len(prompt.ids))
         t1 = time.perf_counter()
         gen, version = await _generate(state, session, prompt.ids, sampling)
@@ -299,17 +321,15 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         call_index=record.call_index, model=state.cfg.model.name, dialect=dialect.NAME,
         messages=conv.messages, tools=conv.tools, reply=completion.as_message(),
     )
-    # Both queued at once, so the writer appends them in one batch (the exchange feeds SFT export).
-    await asyncio.gather(state.recorder.put(record), state.recorder.put(exchange))
-    meta = ReplyMeta(id=secrets.token_hex(12), created=int(started_at), model=conv.model or state.cfg.model.name)
+    # Both in one batch of the writer (the exchange feeds SFT export).
+    await state.recorder.put(record, exchange)
+    meta = ReplyMeta(id=_reply_id(), created=int(started_at), model=conv.model or state.cfg.model.name)
     if not conv.stream:
         return web.Response(body=dialect.reply(completion, meta), content_type="application/json")
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    # The whole completion is known: one write, which the client's SSE parser splits into events.
-    await response.write(b"".join(dialect.stream(completion, meta, include_usage=conv.include_usage)))
-    await response.write_eof()
-    return response
+    # The whole completion is known: the SSE frames go out with the headers in one send, with a
+    # Content-Length, and the client's SSE parser splits them into events.
+    body = b"".join(dialect.stream(completion, meta, include_usage=conv.include_usage))
+    return web.Response(body=body, headers=_SSE_HEADERS)
 
 
 async def _complete_in_engine(state: ProxyState, session: Session, conv: Conversation, dialect: ModuleType):
@@ -370,7 +390,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _session(request)
     conv = anthropic.parse_count(await _body(request))
-    n_tokens = len(state.renderer.render(conv.messages, conv.tools))
+    n_tokens = len(await asyncio.to_thread(state.renderer.render, conv.messages, conv.tools))
     return web.Response(body=anthropic.count_reply(n_tokens), content_type="application/json")
 
 

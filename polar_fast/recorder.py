@@ -25,14 +25,16 @@ class RecorderStatistics(msgspec.Struct, frozen=True):
 class Recorder:
     def __init__(self, log: RecordLog, *, queue_size: int = 1024) -> None:
         self.log = log
-        self._queue: asyncio.Queue[tuple[Record, asyncio.Future[None]] | None] = asyncio.Queue(queue_size)
+        # one (records, future) item per put(); None stops run()
+        self._queue: asyncio.Queue[tuple[tuple[Record, ...], asyncio.Future[None]] | None] = asyncio.Queue(queue_size)
         self._written = 0
         self._batches = 0
 
-    async def put(self, record: Record) -> None:
-        """Hand a record to the writer and wait until it is appended to the log."""
+    async def put(self, *records: Record) -> None:
+        """Hand records to the writer and wait until they are appended to the log, in order and
+        in one batch (a call record and its exchange record land together)."""
         done = asyncio.get_running_loop().create_future()
-        await self._queue.put((record, done))
+        await self._queue.put((records, done))
         await done
 
     def close(self) -> None:
@@ -47,7 +49,7 @@ class Recorder:
             items = [item for item in batch if item is not None]
             if items:
                 try:
-                    await asyncio.to_thread(self._append, [record for record, _ in items])
+                    await asyncio.to_thread(self._append, [record for records, _ in items for record in records])
                 except OSError as e:  # disk full, log removed: the calls fail loudly, the proxy stays up
                     for _, done in items:
                         if not done.done():
@@ -56,7 +58,7 @@ class Recorder:
                     for _, done in items:
                         if not done.done():  # its caller may have gone away
                             done.set_result(None)
-                    self._written += len(items)
+                    self._written += sum(len(records) for records, _ in items)
                 self._batches += 1
             if batch[-1] is None:
                 return

@@ -1,18 +1,29 @@
 """Exact history: later prompts of a session extend earlier prompts + sampled ids token for token.
 
-Per session we keep, for every answered call, its canonical messages plus the assistant message
-we returned, its tools, prompt ids and sampled ids. A new request matches call i when its tools
-equal call i's and its messages start with call i's messages + that reply, compared by role,
-stripped content and tool-call name + arguments as canonical JSON (never by ids, reasoning or
-whitespace, which clients rewrite). The longest match wins. The new prompt is
+Per session we keep, for every answered call, the keys of its canonical messages plus the
+assistant message we returned, its tools key, prompt ids and sampled ids. A new request matches
+call i when its tools equal call i's and its messages start with call i's messages + that reply,
+compared by role, stripped content and tool-call name + arguments as canonical JSON (never by
+ids, reasoning or whitespace, which clients rewrite). The longest match wins. The new prompt is
 
     call_i.prompt_ids + call_i.completion_ids (+ end-of-turn id if sampling did not end with it)
     + tokens(rendered text after the end-of-turn that closes call i's reply)
 
-The rendered text of the new request is cut right after its n-th end-of-turn token, n being the
-number of turn ends up to and including call i's reply; that cut sits after a special token,
-where BPE merges cannot cross, and it does not depend on how the template re-renders older turns
-(Qwen3 drops old reasoning). No match → render from scratch; the label says why.
+Only the new suffix is rendered and tokenised. The template renders a short stand-in
+conversation: a short system and user message standing in for the matched prefix, the reply as
+the client sent it back, then the new messages; the text after the end-of-turn that closes the
+reply is the suffix.
+That cut sits right after a special token, where BPE merges cannot cross, and it does not depend
+on how the template re-renders older turns (Qwen3 drops old reasoning). Tools are left out of
+that render when a probe shows the template only uses them before the suffix (most print them
+in the system turn). The first exact call of each session also renders the whole conversation
+and checks the stand-in suffix against it; a template whose suffix depends on older turns falls
+back to whole renders for that session (cause `exact_full`), still exact.
+
+Costs per exact call stay flat as a session grows: messages unchanged since the previous request
+are recognised by struct equality and reuse their keys, so matching is pointer comparisons, and
+prompt ids are joined with one copy. No match (compaction, injected reminders, edited history)
+→ render from scratch; the label says why.
 """
 
 from __future__ import annotations
@@ -48,16 +59,29 @@ def tools_key(tools: list[Tool]) -> bytes:
 class Prompt(msgspec.Struct, frozen=True):
     ids: list[int]
     history: str  # "exact", or "render:<cause>"
-    turn_ends: int  # end-of-turn marks in the rendered prompt text (to cut later suffixes)
     keys: tuple  # message keys of the request
+    tools: bytes
+
+
+class Plan(msgspec.Struct, frozen=True):
+    """A prompt before rendering the whole conversation (`whole`: no exact match) or tokenising
+    the suffix `text` that follows the `base` ids. `History.plan` is cheap and runs on the event
+    loop; `History.finish` holds the heavy part and is safe in a worker thread."""
+
+    base: list[int]
+    text: str
+    whole: bool
+    history: str
+    keys: tuple
     tools: bytes
 
 
 class _Call(msgspec.Struct):
     keys: tuple  # request messages + the reply we sent
     tools: bytes
-    ids: list[int]  # prompt ids + sampled ids (+ end-of-turn when sampling stopped without it)
-    turn_ends: int  # end-of-turn marks through the reply
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    closed: bool  # the sampled ids end with a stop token (else an end-of-turn id is added)
 
 
 class History:
@@ -68,26 +92,52 @@ class History:
         self.mode = mode
         self.max_calls = max_calls  # older calls are forgotten (their ids are the memory cost)
         self._calls: list[_Call] = []
+        self._last: tuple[list[Message], list[_Key], list[Tool], bytes] = ([], [], [], b"")
+        self._suffix_checked = False  # the stand-in suffix was checked against a whole render
+        self._suffix_local = True  # ... and agreed
         self.causes: Counter[str] = Counter()
 
     def prompt(self, messages: list[Message], tools: list[Tool]) -> Prompt:
-        keys = tuple(message_key(m) for m in messages)
-        tkey = tools_key(tools)
-        text = self.renderer.text(messages, tools, generation_prompt=True)
-        turn_ends = text.count(self.renderer.eot)
+        return self.finish(self.plan(messages, tools), messages, tools)
+
+    def finish(self, plan: Plan, messages: list[Message], tools: list[Tool]) -> Prompt:
+        """The prompt ids of `plan` (made by `plan(messages, tools)`). Touches no session state."""
+        if plan.whole:
+            return Prompt(self.renderer.render(messages, tools), plan.history, plan.keys, plan.tools)
+        ids = plan.base  # a fresh list made by plan(): extend it rather than copy ~1e4 ids again
+        ids += self.renderer.encode(plan.text)
+        return Prompt(ids, plan.history, plan.keys, plan.tools)
+
+    def plan(self, messages: list[Message], tools: list[Tool]) -> Plan:
+        keys, tkey = self._keys(messages, tools)
         call = self._match(keys, tkey) if self.mode == "exact" else None
         if call is not None:
-            cut = _after_nth(text, self.renderer.eot, call.turn_ends)
-            if cut >= 0:
+            suffix = self._suffix(messages, tools, len(call.keys))
+            if suffix is not None:
+                base = call.prompt_ids + call.completion_ids
+                if not call.closed:
+                    base.append(self.renderer.eot_id)
                 self.causes["exact"] += 1
-                return Prompt(call.ids + self.renderer.encode(text[cut:]), "exact", turn_ends, keys, tkey)
+                return Plan(base, suffix, False, "exact", keys, tkey)
             label = "render:template_mismatch"
         elif self.mode == "template":
             label = "render:template"
         else:
             label = "render:no_match" if self._calls else "render:first_call"
         self.causes[label] += 1
-        return Prompt(self.renderer.encode(text), label, turn_ends, keys, tkey)
+        return Plan([], "", True, label, keys, tkey)
+
+    def _keys(self, messages: list[Message], tools: list[Tool]) -> tuple[tuple, bytes]:
+        """Message keys and tools key, reusing the previous request's for unchanged messages
+        (struct equality is a memcmp; a key costs a strip and a JSON round trip per tool call)."""
+        last_msgs, last_keys, last_tools, last_tkey = self._last
+        n_last = len(last_msgs)
+        keys = [
+            last_keys[j] if j < n_last and m == last_msgs[j] else message_key(m) for j, m in enumerate(messages)
+        ]
+        tkey = last_tkey if last_tkey and tools == last_tools else tools_key(tools)
+        self._last = (messages, keys, tools, tkey)
+        return tuple(keys), tkey
 
     def _match(self, keys: tuple, tkey: bytes) -> _Call | None:
         best = None
@@ -97,23 +147,45 @@ class History:
                 best = call
         return best
 
+    def _suffix(self, messages: list[Message], tools: list[Tool], n_matched: int) -> str | None:
+        """Rendered text after the end-of-turn that closes messages[n_matched - 1] (the reply),
+        or None when the template does not close it where expected."""
+        r = self.renderer
+        if self._suffix_local:
+            head = _stand_in_head(messages[: n_matched - 1])
+            stub_tools = tools if r.tools_reach_suffix(tools, self._last[3]) else []
+            text = r.text_after(head + messages[n_matched - 1 :], stub_tools, len(head) + 1)
+            if self._suffix_checked and text is not None:
+                return text
+            whole = r.text_after(messages, tools, n_matched)
+            self._suffix_checked = True
+            if whole != text:
+                self._suffix_local = False
+                self.causes["exact_full"] += 1
+            return whole
+        return r.text_after(messages, tools, n_matched)
+
     def remember(self, prompt: Prompt, completion_ids: list[int], reply: Message) -> None:
         if self.mode == "template":
             return
-        ids = prompt.ids + completion_ids
-        if not completion_ids or completion_ids[-1] not in self.renderer.stop_ids:
-            ids.append(self.renderer.eot_id)
+        closed = bool(completion_ids) and completion_ids[-1] in self.renderer.stop_ids
         keys = prompt.keys + (message_key(reply),)
-        self._calls.append(_Call(keys, prompt.tools, ids, prompt.turn_ends + 1))
+        self._calls.append(_Call(keys, prompt.tools, prompt.ids, self.renderer.intern(completion_ids), closed))
         if len(self._calls) > self.max_calls:
             del self._calls[0]
 
 
-def _after_nth(text: str, mark: str, n: int) -> int:
-    """Index just past the n-th occurrence of `mark` in `text`, or -1."""
-    at = -len(mark)
-    for _ in range(n):
-        at = text.find(mark, at + len(mark))
-        if at < 0:
-            return -1
-    return at + len(mark)
+_STAND_IN = {role: Message(role=role, content="x") for role in ("system", "user")}
+
+
+def _stand_in_head(prefix: list[Message]) -> list[Message]:
+    """Short stand-ins for the matched prefix before the reply: a system message when the
+    conversation starts with one and a user message when it has one. Enough context for
+    templates that need a system turn, a user query or alternating roles before a reply, and
+    cheap to render and scan however long the real ones are."""
+    head: list[Message] = []
+    if prefix and prefix[0].role == "system":
+        head.append(_STAND_IN["system"])
+    if any(m.role == "user" for m in prefix):
+        head.append(_STAND_IN["user"])
+    return head

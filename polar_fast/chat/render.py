@@ -8,19 +8,36 @@ Choices:
   per-call deep copies: the proxy renders every request, and prompts reach ~100k characters.
 - The rendered text is tokenised with `add_special_tokens=False`, since the template writes
   BOS/role tokens itself; special-token text in the template becomes the special ids.
+- Tokenisation goes through the Rust tokenizer's `encode_batch_fast`, which releases the GIL:
+  callers run long texts in a worker thread and the event loop keeps serving meanwhile
+  (`encode` would hold the GIL for the whole text).
 - Tool-call arguments go to the template as objects (HF convention); text that is not a JSON
   object is passed as a string.
 """
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+from collections import OrderedDict
 from typing import Any, Callable
 
 from polar_fast.chat.parsers import parse_tool_calls, split_reasoning
 from polar_fast.chat.template import HERMES_CHATML, template_supports_tools
 from polar_fast.dialects import Message, Tool, ToolCall
+
+
+# A conversation whose last turns show what a template prints after a reply: a tool result, a
+# user turn and the generation prompt (see `Renderer.tools_reach_suffix`).
+_PROBE = [
+    Message(role="system", content="s"),
+    Message(role="user", content="u"),
+    Message(role="assistant", content="a", tool_calls=(ToolCall(id="c", name="f", arguments='{"x": 1}'),)),
+    Message(role="tool", content="r", tool_call_id="c"),
+    Message(role="user", content="v"),
+]
+_CACHE_MIN_CHARS = 2048  # turns at least this long are cached (system prompts, tool schemas)
+_CACHE_TURNS = 64
 
 
 class Renderer:
@@ -40,9 +57,15 @@ class Renderer:
         self.stop_ids = {self.eot_id}
         self._variables = dict(tokenizer.special_tokens_map)
         self._compiled = _compile(self.template)
-        self._encode_cached = functools.lru_cache(maxsize=64)(
-            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
-        )
+        backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer of a fast tokenizer
+        self._batch = getattr(backend, "encode_batch_fast", None)
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()  # long turns -> ids, LRU
+        self._cache_lock = threading.Lock()  # encode() runs in worker threads
+        self._tools_reach_suffix: dict[bytes, bool] = {}
+        # One int object per token id, allocated together: id lists built from these are what
+        # the proxy keeps per session, and the garbage collector walks them several times each;
+        # shared, adjacent ints make that walk ~5x faster than tokenizer-fresh ones (and smaller).
+        self._id_objects = list(range(max(tokenizer.get_vocab().values(), default=0) + 1))
 
     def text(self, messages: list[Message], tools: list[Tool], *, generation_prompt: bool) -> str:
         msgs = [template_message(m) for m in messages]
@@ -58,21 +81,79 @@ class Renderer:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text. The text is cut after every end-of-turn mark and each turn
         is tokenised on its own (identical ids: BPE never merges across a special token), with an
-        LRU cache per turn, so the system prompt + tool schemas that every session of a run
-        shares are tokenised once."""
-        ids: list[int] = []
+        LRU cache of long turns, so the system prompt + tool schemas that every session of a run
+        shares are tokenised once. All uncached turns go to the tokenizer in one batch."""
+        turns: list[str] = []
         start = 0
         while start < len(text):
             end = text.find(self.eot, start)
             end = len(text) if end < 0 else end + len(self.eot)
-            ids += self._encode_turn(text[start:end])
+            turns.append(text[start:end])
             start = end
-        return ids
+        parts: list[list[int] | None] = [self._cached(t) for t in turns]
+        todo = [i for i, p in enumerate(parts) if p is None]
+        if todo:
+            for i, ids in zip(todo, self._encode_many([turns[i] for i in todo])):
+                parts[i] = ids
+                if len(turns[i]) >= _CACHE_MIN_CHARS:
+                    self._remember(turns[i], ids)
+        if len(parts) == 1:
+            return list(parts[0])  # type: ignore[arg-type]
+        return [i for p in parts for i in p]  # type: ignore[union-attr]
 
-    def _encode_turn(self, text: str) -> list[int]:
-        if len(text) < 2048:  # short turns: the cache would cost more than it saves
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return list(self._encode_cached(text))
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if self._batch is not None:
+            return [self.intern(e.ids) for e in self._batch(texts, add_special_tokens=False)]
+        return [self.intern(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def intern(self, ids: list[int]) -> list[int]:
+        """The same ids as the shared int objects (see __init__)."""
+        try:
+            return list(map(self._id_objects.__getitem__, ids))
+        except (IndexError, TypeError):  # an id beyond the vocabulary: keep the list as is
+            return list(ids)
+
+    def _cached(self, turn: str) -> list[int] | None:
+        if len(turn) < _CACHE_MIN_CHARS:  # short turns: the cache would cost more than it saves
+            return None
+        with self._cache_lock:
+            ids = self._cache.get(turn)
+            if ids is not None:
+                self._cache.move_to_end(turn)
+            return ids
+
+    def _remember(self, turn: str, ids: list[int]) -> None:
+        with self._cache_lock:
+            self._cache[turn] = ids
+            if len(self._cache) > _CACHE_TURNS:
+                self._cache.popitem(last=False)
+
+    def text_after(self, messages: list[Message], tools: list[Tool], n_through: int) -> str | None:
+        """Rendered text (with the generation prompt) after the end-of-turn that closes
+        messages[n_through - 1], or None when the template does not close it with one. Its
+        position is the end-of-turn count of the render of messages[:n_through]."""
+        n_ends = self.text(messages[:n_through], tools, generation_prompt=False).count(self.eot)
+        text = self.text(messages, tools, generation_prompt=True)
+        at = -len(self.eot)
+        for _ in range(n_ends):
+            at = text.find(self.eot, at + len(self.eot))
+            if at < 0:
+                return None
+        return text[at + len(self.eot) :] if n_ends else None
+
+    def tools_reach_suffix(self, tools: list[Tool], key: bytes) -> bool:
+        """Whether the template prints anything tool-dependent after an assistant reply (most
+        print tool schemas only in the system turn). Probed once per tool set (`key`): the
+        probe's text after the reply, with and without the tools."""
+        if not tools:
+            return False
+        known = self._tools_reach_suffix.get(key)
+        if known is None:
+            known = self.text_after(_PROBE, tools, 3) != self.text_after(_PROBE, [], 3)
+            if len(self._tools_reach_suffix) >= 256:
+                self._tools_reach_suffix.clear()
+            self._tools_reach_suffix[key] = known
+        return known
 
     def render(self, messages: list[Message], tools: list[Tool]) -> list[int]:
         return self.encode(self.text(messages, tools, generation_prompt=True))
