@@ -5,7 +5,12 @@
 `tool_result` (string or text blocks; each becomes a canonical tool message, placed before the
 user text of the same turn), `thinking` (reasoning); `redacted_thinking` is dropped; `image` and
 `document` are rejected. Tools with an `input_schema` are offered; server tools are ignored.
-`thinking` settings, `metadata`, `tool_choice` are accepted and ignored. The stream is
+`thinking` settings, `metadata`, `tool_choice` are accepted and ignored. Done as the API does:
+tools with `defer_loading` stay out of the model's tool list, and a `tool_reference` block in a
+tool result becomes the referenced tool's definition as JSON text, where the API expands it
+(Claude Code's ToolSearch answers with these; a 400 makes it drop tool search after 3 retries);
+a system text block starting `x-anthropic-billing-header:` is attribution metadata that Claude
+Code puts first in `system` (its hash changes with the conversation), so it is dropped. The stream is
 `message_start`, per block `content_block_start` → delta(s) → `content_block_stop`,
 `message_delta` (stop reason, usage), `message_stop`.
 """
@@ -36,6 +41,7 @@ NAME = "anthropic"
 class _Block(msgspec.Struct):
     type: str
     text: str | None = None
+    tool_name: str | None = None  # tool_reference
     thinking: str | None = None
     id: str | None = None
     name: str | None = None
@@ -54,6 +60,7 @@ class _ToolIn(msgspec.Struct):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    defer_loading: bool | None = None
 
 
 class _Request(msgspec.Struct):
@@ -74,13 +81,22 @@ class _CountRequest(msgspec.Struct):
     tools: list[_ToolIn] | None = None
 
 
-def _text(blocks: str | list[_Block] | None, where: str) -> str:
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+_Defs = dict[str, str]  # tool name -> its definition as JSON text (for tool_reference blocks)
+
+
+def _text(blocks: str | list[_Block] | None, where: str, defs: _Defs | None = None) -> str:
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
     texts = []
     for b in blocks:
         if b.type == "text":
             texts.append(b.text or "")
+        elif b.type == "tool_reference" and defs is not None:
+            if not b.tool_name:
+                raise DialectError(f"{where}: tool_reference needs tool_name")
+            texts.append(defs.get(b.tool_name) or json_text({"name": b.tool_name}))
         elif b.type in ("image", "document", "search_result"):
             raise reject_media(f"{b.type} ({where})")
         else:
@@ -88,7 +104,27 @@ def _text(blocks: str | list[_Block] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def _turn(i: int, m: _MessageIn) -> list[Message]:
+def _system(system: str | list[_Block] | None) -> str:
+    if isinstance(system, list):
+        system = [b for b in system if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER))]
+    elif system is not None and system.startswith(BILLING_HEADER):
+        system = system.partition("\n")[2]
+    return _text(system, "system")
+
+
+def _definitions(tools: list[_ToolIn]) -> _Defs:
+    """What the API puts in context for a referenced tool: its definition."""
+    defs = {}
+    for t in tools:
+        d: dict[str, Any] = {"name": t.name}
+        if t.description:
+            d["description"] = t.description
+        d["input_schema"] = t.input_schema or {}
+        defs[t.name] = json_text(d)
+    return defs
+
+
+def _turn(i: int, m: _MessageIn, defs: _Defs) -> list[Message]:
     where = f"messages[{i}]"
     if m.role not in ("user", "assistant", "system"):
         raise DialectError(f"{where}.role {m.role!r} is not one of user, assistant")
@@ -116,7 +152,8 @@ def _turn(i: int, m: _MessageIn) -> list[Message]:
         if b.type == "tool_result":
             if not b.tool_use_id:
                 raise DialectError(f"{where}.content[{j}]: tool_result needs tool_use_id")
-            results.append(Message(role="tool", content=_text(b.content, f"{where}.content[{j}]"), tool_call_id=b.tool_use_id))
+            content = _text(b.content, f"{where}.content[{j}]", defs)
+            results.append(Message(role="tool", content=content, tool_call_id=b.tool_use_id))
         else:
             texts.append(_text([b], f"{where}.content[{j}]"))
     out = results
@@ -127,17 +164,19 @@ def _turn(i: int, m: _MessageIn) -> list[Message]:
 
 def _conversation(req: _Request | _CountRequest) -> tuple[list[Message], list[Tool]]:
     messages: list[Message] = []
-    system = _text(req.system, "system")
+    system = _system(req.system)
     if system:
         messages.append(Message(role="system", content=system))
+    offered = [t for t in req.tools or () if t.input_schema is not None and t.name]
+    defs = _definitions(offered)
     for i, m in enumerate(req.messages):
-        messages.extend(_turn(i, m))
+        messages.extend(_turn(i, m, defs))
     if not req.messages:
         raise DialectError("messages must not be empty")
     tools = [
         Tool(name=t.name, description=t.description or "", parameters=t.input_schema)
-        for t in req.tools or ()
-        if t.input_schema is not None and t.name
+        for t in offered
+        if not t.defer_loading
     ]
     return messages, tools
 
