@@ -42,6 +42,8 @@ class EngineConfig(_Section):
     max_retries: int = 2  # engine 5xx / connection errors before the call fails
     data_parallel_size: int = 1  # vllm ranks; a session sticks to one via X-data-parallel-rank
     launch_gpus: list[int] = msgspec.field(default_factory=lambda: [0, 1, 2, 3])  # vllm started by polar_fast: GPUs it may use
+    launch_timeout_s: float = 1200.0  # vllm started by polar_fast: seconds until /health must answer
+    launch_args: list[str] = []  # vllm started by polar_fast: extra `vllm serve` arguments, verbatim
     device: str = "cpu"  # embedded: torch device
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)

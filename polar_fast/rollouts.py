@@ -6,7 +6,8 @@ factory, record log, capture proxy and the harness agent that points each rollou
 
 The training run adds a learner on top of this; the rollout service (rollout_service.py) adds an
 HTTP API for external trainers. Teardown runs in reverse order of setup, and only for what was
-set up: the proxy stops (queued records written), then the log, engine and sandbox factory close.
+set up: the proxy stops (queued records written), then the log, engine and sandbox factory close,
+and last a `vllm serve` the block started (engines/vllm_launch.py) is stopped.
 """
 
 from __future__ import annotations
@@ -64,7 +65,17 @@ class Rollouts:
 @asynccontextmanager
 async def open_rollouts(cfg: Config, run_dir: Path, *,
                         emit: Callable[[str, dict], None] | None = None) -> AsyncIterator[Rollouts]:
-    """Everything a rollout needs, for the life of the block; records go to run_dir/records.log."""
+    """Everything a rollout needs, for the life of the block; records go to run_dir/records.log.
+    A vllm engine with no url gets a `vllm serve` started first and stopped last."""
+    from polar_fast.engines.vllm_launch import launched_vllm
+
+    async with launched_vllm(cfg, run_dir, emit=emit) as cfg, _open_rollouts(cfg, run_dir, emit=emit) as rollouts:
+        yield rollouts
+
+
+@asynccontextmanager
+async def _open_rollouts(cfg: Config, run_dir: Path, *,
+                         emit: Callable[[str, dict], None] | None = None) -> AsyncIterator[Rollouts]:
     from polar_fast.engines import build_engine
     from polar_fast.harnesses import default_bundle_root, get_harness
     from polar_fast.proxy import serve
