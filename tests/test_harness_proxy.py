@@ -10,11 +10,13 @@ tool results its prompt holds, so side calls a CLI makes get an answer too:
    argument schema, as the CLI's first request offers it; SmolLM2's list form of the block);
 2. two parallel calls of its shell tool, one printing the file back with a marker;
 3. a final answer (mini-swe-agent ends only through its bash tool printing the submit marker).
+Claude Code first calls ToolSearch for a tool it sends with `defer_loading`: the result comes back
+as a `tool_reference` block, which the proxy expands into that tool's definition.
 
 We assert the CLI exited 0, the file holds the (non-ASCII) content, the shell output came back
-to the model as a tool result, every call the CLI made was answered in the mode under test, and
-the session's records chain token-exactly: each main-loop call's prompt starts with the previous
-call's prompt ids + sampled ids.
+to the model as a tool result, every call the CLI made was answered (no 4xx/5xx) in the mode
+under test, and the session's records chain token-exactly: each main-loop call's prompt starts
+with the previous call's prompt ids + sampled ids.
 
 Modes: Codex (Responses), Qwen Code and Pi (Chat Completions) always stream; mini-swe-agent
 (litellm) never streams; Claude Code streams and, when a streaming request gets a 404, retries it
