@@ -74,7 +74,7 @@ class _Discard(list):
         pass
 
 
-def serve(port_file: str, delay_s: float, profile: str = "") -> None:
+def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int = 1) -> None:
     from polar_fast.config import parse_config
     from polar_fast.engines.scripted import ScriptedEngine
     from polar_fast.model import load_tokenizer
@@ -82,7 +82,7 @@ def serve(port_file: str, delay_s: float, profile: str = "") -> None:
     from polar_fast.records import RecordLog
 
     async def main() -> None:
-        cfg = parse_config({"engine": {"kind": "scripted"}, "model": {"max_context_tokens": 1 << 20}, "proxy": {"history_max_calls": 4}})
+        cfg = parse_config({"engine": {"kind": "scripted"}, "model": {"max_context_tokens": 1 << 20}, "proxy": {"history_max_calls": 4, "render_threads": render_threads}})
         tok = load_tokenizer("")
         engine = ScriptedEngine([TOOL_CALL], tok, delay_s=delay_s, cycle=True)
         engine.prompts = _Discard()
@@ -212,16 +212,17 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--render-threads", type=int, default=1, help="proxy.render_threads of the proxy process")
     p.add_argument("--profile", default="", help="write a cProfile of the proxy process to this file")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        return serve(args.serve, args.delay_ms / 1000, args.profile)
+        return serve(args.serve, args.delay_ms / 1000, args.profile, args.render_threads)
     if args.quick:
         args.turns, args.prompt_tokens = 4, 20000
     with tempfile.TemporaryDirectory() as tmp:
         port_file = os.path.join(tmp, "proxy.url")
-        cmd = [sys.executable, __file__, "--serve", port_file, "--delay-ms", str(args.delay_ms), "--profile", args.profile]
+        cmd = [sys.executable, __file__, "--serve", port_file, "--delay-ms", str(args.delay_ms), "--profile", args.profile, "--render-threads", str(args.render_threads)]
         server = subprocess.Popen(cmd)
         try:
             while not os.path.exists(port_file) or not Path(port_file).read_text():

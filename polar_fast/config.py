@@ -70,6 +70,7 @@ class ProxyConfig(_Section):
     max_body_bytes: int = 32 * 1024 * 1024
     record_fsync: bool = False  # fsync the record log after every call
     recorder_queue_size: int = 1024  # records waiting for the disk writer
+    render_threads: int = 1  # threads for whole-conversation renders (new sessions, no match)
 
 
 class SandboxConfig(_Section):

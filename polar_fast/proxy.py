@@ -30,6 +30,7 @@ import secrets
 import socket
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -78,6 +79,10 @@ class ProxyState:
     sessions: dict[str, Session] = field(default_factory=dict)
     base_url: str = ""
     errors: dict[int, int] = field(default_factory=dict)  # replies by error status
+    # Whole renders (first calls, no match: ~10 ms per 5k new tokens) queue here, apart from the
+    # short suffix tokenisations of exact calls, so a burst of new sessions never holds up the
+    # sessions already running. None: the loop's default executor.
+    render_pool: ThreadPoolExecutor | None = None
 
     def new_session(self, rollout_id: str = "", group_id: str = "") -> Session:
         token = "pf-" + secrets.token_hex(16)
@@ -247,12 +252,15 @@ def _call_id(dialect: ModuleType) -> str:
     return prefix + _reply_id()
 
 
-async def _prompt(history: History, conv: Conversation) -> Prompt:
+async def _prompt(state: ProxyState, history: History, conv: Conversation) -> Prompt:
     """Exact history: match and render the new suffix here (cheap), tokenise it in a worker
     thread when long (the tokenizer releases the GIL). A whole render (first call, no match)
-    runs in a worker thread entirely: a long first prompt takes tens of ms."""
+    runs in the render pool entirely: a long first prompt takes tens of ms."""
     plan = history.plan(conv.messages, conv.tools)
-    if plan.whole or len(plan.text) > _INLINE_ENCODE_CHARS:
+    if plan.whole:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(state.render_pool, history.finish, plan, conv.messages, conv.tools)
+    if len(plan.text) > _INLINE_ENCODE_CHARS:
         return await asyncio.to_thread(history.finish, plan, conv.messages, conv.tools)
     return history.finish(plan, conv.messages, conv.tools)
 
@@ -284,7 +292,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
         t1 = t2 = time.perf_counter()
     else:
-        prompt = await _prompt(session.history, conv)
+        prompt = await _prompt(state, session.history, conv)
         sampling = _sampling(state, conv, len(prompt.ids))
         t1 = time.perf_counter()
         gen, version = await _generate(state, session, prompt.ids, sampling)
@@ -483,7 +491,8 @@ async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer:
         gc.collect()
         gc.freeze()
     recorder = Recorder(record_log, queue_size=pc.recorder_queue_size)
-    state = ProxyState(cfg=cfg, engine=engine, renderer=renderer, recorder=recorder)
+    render_pool = ThreadPoolExecutor(max_workers=max(1, pc.render_threads), thread_name_prefix="proxy-render")
+    state = ProxyState(cfg=cfg, engine=engine, renderer=renderer, recorder=recorder, render_pool=render_pool)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(recorder.run())
         runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
@@ -501,3 +510,4 @@ async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer:
         finally:
             await runner.cleanup()
             recorder.close()
+            await asyncio.to_thread(render_pool.shutdown)

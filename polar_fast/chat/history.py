@@ -16,9 +16,11 @@ reply is the suffix.
 That cut sits right after a special token, where BPE merges cannot cross, and it does not depend
 on how the template re-renders older turns (Qwen3 drops old reasoning). Tools are left out of
 that render when a probe shows the template only uses them before the suffix (most print them
-in the system turn). The first exact call of each session also renders the whole conversation
-and checks the stand-in suffix against it; a template whose suffix depends on older turns falls
-back to whole renders for that session (cause `exact_full`), still exact.
+in the system turn). The first exact call of a session with a new shape of suffix (the roles of
+its new messages, e.g. tool, or tool + user) also renders the whole conversation and checks the
+stand-in suffix against it; a template whose suffix depends on older turns (Mistral's moves the
+system prompt into the last user turn) falls back to whole renders for that session (cause
+`exact_full`), still exact.
 
 Costs per exact call stay flat as a session grows: messages unchanged since the previous request
 are recognised by struct equality and reuse their keys, so matching is pointer comparisons, and
@@ -93,8 +95,8 @@ class History:
         self.max_calls = max_calls  # older calls are forgotten (their ids are the memory cost)
         self._calls: list[_Call] = []
         self._last: tuple[list[Message], list[_Key], list[Tool], bytes] = ([], [], [], b"")
-        self._suffix_checked = False  # the stand-in suffix was checked against a whole render
-        self._suffix_local = True  # ... and agreed
+        self._checked: set[tuple[str, ...]] = set()  # suffix role shapes checked against a whole render
+        self._suffix_local = True  # ... and all agreed
         self.causes: Counter[str] = Counter()
 
     def prompt(self, messages: list[Message], tools: list[Tool]) -> Prompt:
@@ -155,10 +157,11 @@ class History:
             head = _stand_in_head(messages[: n_matched - 1])
             stub_tools = tools if r.tools_reach_suffix(tools, self._last[3]) else []
             text = r.text_after(head + messages[n_matched - 1 :], stub_tools, len(head) + 1)
-            if self._suffix_checked and text is not None:
+            shape = tuple(m.role for m in messages[n_matched:])
+            if shape in self._checked and text is not None:
                 return text
             whole = r.text_after(messages, tools, n_matched)
-            self._suffix_checked = True
+            self._checked.add(shape)
             if whole != text:
                 self._suffix_local = False
                 self.causes["exact_full"] += 1
