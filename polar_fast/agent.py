@@ -69,13 +69,11 @@ class HarnessAgent:
             self.proxy.state.sessions.pop(session.token, None)  # late requests now get 401
             self._calls[rollout_id] = list(session.records)
         output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
+        failed = result.exit_code != 0 or result.timed_out
+        infra = ""
+        if failed and session.engine_failures:
+            # the harness gave up because the engine did not answer: the pools retry the rollout
+            # instead of scoring it 0
+            infra = f"the engine failed {session.engine_failures} of this rollout's model calls"
         return AgentResult(exit_code=result.exit_code, timed_out=result.timed_out, n_calls=session.n_calls,
-                           infra_error=self._engine_failure(session), output_tail=output)
-
-    def _engine_failure(self, session) -> str:
-        """A run whose calls failed on the engine side is the infrastructure's fault, not the
-        agent's: the pools retry it instead of scoring it 0."""
-        failures = getattr(session, "engine_failures", 0)
-        if failures and session.n_calls == 0:
-            return f"the engine failed {failures} of this rollout's calls and answered none"
-        return ""
+                           infra_error=infra, output_tail=output)

@@ -40,6 +40,7 @@ import anyio
 import msgspec
 
 from polar_fast.config import PoolsConfig
+from polar_fast.errors import PolarError
 from polar_fast.records import Outcome, RolloutRecord
 from polar_fast.reward import EvalResult, evaluate
 from polar_fast.sandboxes import SandboxError, SandboxSpec
@@ -51,6 +52,10 @@ KILL_GRACE_S = 30.0  # past the agent's own timeout, the pool cancels the run it
 
 
 # ---------------------------------------------------------------------------------- agent runners
+
+
+class AgentInfraError(PolarError):
+    """The agent could not do its work for reasons outside it (AgentResult.infra_error)."""
 
 
 class AgentResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -377,9 +382,11 @@ class Pools:
             with anyio.move_on_after(timeout_s + KILL_GRACE_S):
                 result = await self.agent.run(box, job.task, rollout_id=job.rollout_id,
                                               group_id=job.group_id, timeout_s=timeout_s)
+            if result.infra_error:  # e.g. the engine was down: not the agent's fault, retry it
+                return AgentInfraError(result.infra_error), result, ""
             if result.timed_out:
                 return Outcome.TIMEOUT, result, ""
-            if result.exit_code != 0 or result.infra_error:
+            if result.exit_code != 0:
                 return Outcome.AGENT_ERROR, result, ""
             return Outcome.OK, result, await self.collect_diff(box, job.task)
         except INFRA_ERRORS as e:

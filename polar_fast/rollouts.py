@@ -79,7 +79,7 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *,
     from polar_fast.engines import build_engine
     from polar_fast.harnesses import default_bundle_root, get_harness
     from polar_fast.proxy import serve
-    from polar_fast.sandboxes import make_sandbox_factory
+    from polar_fast.sandboxes import sandbox_class
 
     emit = emit or (lambda kind, data: None)
     harness = get_harness(cfg.harness.name)
@@ -90,7 +90,9 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *,
     engine = await asyncio.to_thread(build_engine, cfg)
     try:
         run_id = await asyncio.to_thread(run_id_for, run_dir)  # resolve() reads the file system
-        factory = make_sandbox_factory(cfg.sandbox, run_id=run_id)
+        # importing a backend reads package metadata (aiodocker): do it off the loop
+        factory_class = await asyncio.to_thread(sandbox_class, cfg.sandbox.kind)
+        factory = factory_class(cfg.sandbox, run_id=run_id)
         try:
             leftovers = await factory.remove_leftovers(run_id)
             log = await asyncio.to_thread(RecordLog, run_dir / "records.log", fsync=cfg.proxy.record_fsync)
