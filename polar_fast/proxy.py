@@ -63,6 +63,7 @@ class Session:
     history: History
     records: list[CallRecord] = field(default_factory=list)
     n_calls: int = 0
+    engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
 
 
 class _NewSession(msgspec.Struct):
@@ -266,6 +267,14 @@ async def _prompt(state: ProxyState, history: History, conv: Conversation) -> Pr
 
 
 async def _generate(state: ProxyState, session: Session, prompt_ids: list[int], sampling: Sampling):
+    try:
+        return await _engine_generate(state, session, prompt_ids, sampling)
+    except EngineError:
+        session.engine_failures += 1
+        raise
+
+
+async def _engine_generate(state: ProxyState, session: Session, prompt_ids: list[int], sampling: Sampling):
     version = state.engine.policy_version
     try:
         async with asyncio.timeout(state.cfg.engine.timeout_s):
