@@ -8,12 +8,16 @@ of ~20k tokens (system prompt with tool schemas and a long task), then turns tha
 model's tool call, a tool result and get a short answer. Concurrency = sessions in flight.
 
 Prints one row per (concurrency, mode): p50/p99 latency through the proxy and direct, the added
-latency, requests/s both ways and their ratio. Correctness beside timing: every call after a
+latency, requests/s both ways and their ratio, and CPU ms per request of the proxy process (all
+its threads) and of this load-generating client (they share the machine's cores). Correctness beside timing: every call after a
 session's first must be an exact-history extension. Last line:
 RESULT added_p50_ms=X added_p99_ms=Y rps_ratio=Z   (X, Y at concurrency 64 streaming; Z = proxy
 requests/s / direct requests/s at concurrency 256, streaming).
 
-    .venv/bin/python bench/proxy_bench.py [--quick]
+    .venv/bin/python bench/proxy_bench.py [--quick] [--render-threads N] [--profile FILE]
+
+`--profile` writes a cProfile of the proxy process (event-loop thread); for worker threads use
+a sampling profiler on the `--serve` child (py-spy --threads).
 """
 
 from __future__ import annotations
@@ -180,14 +184,16 @@ async def bench(root: str, args, server_pid: int) -> None:
     engine = ScriptedEngine([[1] * 30], delay_s=args.delay_ms / 1000, cycle=True)
     engine.prompts = _Discard()
     print(f"fake engine latency {args.delay_ms} ms, first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
-    header = f"{'conc':>5} {'mode':>6} {'n':>6} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>8} {'added p50':>10} {'p99':>8} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10}"
+    header = f"{'conc':>5} {'mode':>6} {'n':>6} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>8} {'added p50':>10} {'p99':>8} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10} {'client':>7}"
     print(header)
     results = {}
     for concurrency in args.concurrency:
-        for stream in (False, True):
-            cpu0 = cpu_s(server_pid)
+        # --quick keeps what RESULT reads (streaming) beyond concurrency 1, to stay under 30 s.
+        for stream in (False, True) if not args.quick or concurrency == 1 else (True,):
+            cpu0, client0 = cpu_s(server_pid), time.process_time()
             lat_p, rps_p, prompts = await run_proxy(root, args, concurrency, stream)
             cpu_ms = (cpu_s(server_pid) - cpu0) * 1000 / len(lat_p)
+            client_ms = (time.process_time() - client0) * 1000 / len(lat_p)
             lat_d, rps_d = await run_direct(engine, prompts, concurrency)
             ms = lambda x: x * 1000  # noqa: E731
             added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
@@ -197,7 +203,7 @@ async def bench(root: str, args, server_pid: int) -> None:
             print(
                 f"{concurrency:>5} {mode:>6} {len(lat_p):>6} {ms(percentile(lat_p, .5)):>10.2f} {ms(percentile(lat_p, .99)):>8.2f}"
                 f" {ms(percentile(lat_d, .5)):>11.2f} {ms(percentile(lat_d, .99)):>8.2f} {added50:>10.2f} {added99:>8.2f}"
-                f" {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f}",
+                f" {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f} {client_ms:>7.2f}",
                 flush=True,
             )
     mid = results.get((64, "sse")) or next(iter(results.values()))
@@ -207,7 +213,7 @@ async def bench(root: str, args, server_pid: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small run, under 30 s")
+    p.add_argument("--quick", action="store_true", help="small run, under 30 s: 4 turns, streaming only above concurrency 1")
     p.add_argument("--prompt-tokens", type=int, default=20000)
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--delay-ms", type=float, default=20.0)

@@ -10,7 +10,8 @@ Routes (each `/v1/...` route also lives under `/s/<token>/v1/...`):
 
 A request's session comes from the path token, else from its API key (`Authorization: Bearer`
 or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: dialect.parse →
-History.prompt (exact-history ids) → engine.generate → Renderer.parse → record (awaited on disk)
+History.plan + finish (exact-history ids; only a new suffix is rendered and tokenised, long
+tokenisations in worker threads) → engine.generate → Renderer.parse → record (awaited on disk)
 → reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
 unknown session 401, unknown route 404, body over `proxy.max_body_bytes` 413, engine down 503,
 engine timeout 504, other engine failure 502; a 500 means a bug here. Handler cancellation
