@@ -10,6 +10,8 @@ record log. Everything captured goes to `<output_dir>/records.log` as it happens
 loses nothing; checkpoints go to `<output_dir>/checkpoints`, and `resume=True` continues from the
 newest with the same step numbering, after removing sandboxes a killed run left behind.
 
+Under torchrun this is rank 0; ranks > 0 run `distributed.follow` and join every learner call.
+
 Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
 removed, their calls already logged), a checkpoint is saved, and `train` returns normally. A
 second Ctrl-C cancels at once.
@@ -29,6 +31,7 @@ from typing import Callable, Iterator
 
 import msgspec
 
+from polar_fast import distributed
 from polar_fast.config import Config
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner
@@ -127,7 +130,8 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     tc = cfg.tasks
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed)
     emit("info", {"message": "loading the model for the learner"})
-    learner = await asyncio.to_thread(Learner.from_config, cfg)
+    # under torchrun, a Leader that has ranks > 0 join each collective call (distributed.py)
+    learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
     if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
     metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
@@ -142,6 +146,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                              metrics, summary, stop.event, emit)
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
+        await asyncio.to_thread(distributed.stop_followers, learner)
     finally:
         await asyncio.to_thread(metrics.close)
     return summary

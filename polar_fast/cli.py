@@ -1,6 +1,7 @@
 """The command line. Parses arguments, loads the config once, runs one coroutine on uvloop.
 
     python -m polar_fast --config run.toml [--resume] [--set section.key=value ...]   # train
+    torchrun --nproc_per_node N -m polar_fast --config run.toml ...   # learner on N GPUs (FSDP2)
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
 
@@ -66,13 +67,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
-    from polar_fast.app import train
-    from polar_fast.progress import Progress
+    from polar_fast import distributed
 
-    with Progress(cfg, enabled=not quiet) as progress:
-        summary = uvloop.run(train(cfg, resume=resume, on_event=progress.event))
-    progress.print_summary(summary)
-    return 0
+    rank = distributed.init(cfg)  # under torchrun; 0 otherwise
+    try:
+        if rank > 0:  # the learner only, driven by rank 0
+            distributed.follow(cfg)
+            return 0
+        from polar_fast.app import train
+        from polar_fast.progress import Progress
+
+        with Progress(cfg, enabled=not quiet) as progress:
+            summary = uvloop.run(train(cfg, resume=resume, on_event=progress.event))
+        progress.print_summary(summary)
+        return 0
+    finally:
+        distributed.shutdown()
 
 
 def _serve(cfg: Config, host: str | None, port: int | None, *, rollouts: bool) -> int:

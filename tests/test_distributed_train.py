@@ -1,0 +1,150 @@
+"""The training run under torchrun: 2 gloo ranks, rank 0 running pools, proxy and engine.
+
+`torchrun --nproc_per_node 2 -m polar_fast --config run.toml` trains one step on a group the
+real mini-swe-agent produced in a local sandbox with scripted model choices (as test_app.py).
+The policy is a tiny random Llama with SmolLM2's real tokenizer and chat template, so the two
+learner steps take seconds on CPU; test_app.py trains the real SmolLM2.
+Then a single-process Learner built from the same config takes the step on the same captured
+calls and rewards: loss, grad norm and the checkpointed weights must match, which they only do
+if rank 1 really took its share of the micro-batches (FSDP2 averages gradients over ranks)
+and joined the sync, the checkpoint and the stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polar_fast.config import load_config
+from polar_fast.distributed import Message, _decoder, _encoder
+from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
+from test_app import GROUP_REPLIES, toml_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_messages_round_trip_through_msgpack():
+    call = CallRecord(session_id="s", rollout_id="r", group_id="g", call_index=0, prompt_ids=[1, 2],
+                      completion_ids=[3], completion_logprobs=[-0.25], policy_version=2,
+                      finish_reason="stop", dialect="chat")
+    rollout = RolloutRecord(rollout_id="r", group_id="g", task_id="t", harness="pi", outcome=Outcome.OK, reward=1.0)
+    message = Message(kind="step", calls=[call], rollouts=[rollout])
+    assert _decoder.decode(_encoder.encode(message)) == message
+
+
+def test_under_torchrun_a_device_index_is_refused(monkeypatch):
+    from polar_fast.distributed import init
+    from polar_fast.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="use 'cuda'"):
+        init(load_config(None, ["learner.device=cuda:1"]))
+
+
+def tiny_model_dir(path: Path) -> Path:
+    """Two decoder layers (FSDP2 shards each), SmolLM2's vocabulary, tokenizer and template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polar_fast.model import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def step_order(calls: list[CallRecord], rollouts: list[RolloutRecord]) -> list[CallRecord]:
+    """The calls as the run handed them to the learner: rollout order, then call order."""
+    order = {r.rollout_id: i for i, r in enumerate(rollouts)}
+    return sorted(calls, key=lambda c: (order[c.rollout_id], c.call_index))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_rank_run_matches_a_single_process_step(tmp_path):
+    out = tmp_path / "run"
+    raw = {
+        "model": {"path": str(tiny_model_dir(tmp_path / "model"))},
+        "run": {"output_dir": str(out), "steps": 1, "groups_per_step": 1, "max_staleness": 4, "tensorboard": False},
+        "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES},
+        "sampling": {"max_tokens": 4096},
+        "sandbox": {"kind": "local"},
+        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 120},
+        "tasks": {"source": "builtin", "limit": 1},
+        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
+        # one micro-batch per leaf path (~1400 and ~1200 tokens): each rank trains on one
+        "merge": {"layout": "paths", "max_tokens": 2048},
+        "learner": {"lr": 1e-3},
+    }
+    config = tmp_path / "run.toml"
+    config.write_text(toml_text(raw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0",
+           "-m", "polar_fast", "--config", str(config), "--quiet"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    [step] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert step["step"] == 1
+    metrics = step
+    log = read_log(out / "records.log")
+    rollouts = list(log.rollouts)
+    assert sorted(r.reward for r in rollouts) == [0.0, 1.0]
+    calls = step_order(list(log.calls), rollouts)
+
+    from polar_fast.grpo import Learner
+
+    torch.manual_seed(0)
+    single = Learner.from_config(load_config(config))
+    before = {k: v.clone() for k, v in single.policy.state_dict().items()}
+    expected = single.step(calls, rollouts)
+    assert expected.n_micro_batches == 2
+    assert metrics["learner/n_micro_batches"] == expected.n_micro_batches
+    assert metrics["learner/n_terms"] == expected.n_terms > 0
+    assert metrics["learner/loss"] == pytest.approx(expected.loss, rel=1e-4, abs=1e-7)
+    assert metrics["learner/grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-3)
+
+    saved = torch.load(out / "checkpoints" / "step_1.pt", map_location="cpu", weights_only=False)
+    assert saved["step"] == 1 and saved["version"] == 1
+    weights = single.policy.state_dict()
+    assert set(saved["model"]) == set(weights)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(saved["model"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    assert any(not torch.equal(before[k], weights[k]) for k in weights)  # the step did train
+
+
+def test_the_8gpu_example_is_consistent_with_its_launch_command():
+    import re
+
+    from polar_fast.engines.vllm_launch import launch_spec
+
+    path = ROOT / "examples" / "8gpu.toml"
+    cfg = load_config(path)
+    assert cfg.engine.kind == "vllm" and cfg.engine.url == ""
+    assert cfg.engine.data_parallel_size == len(cfg.engine.launch_gpus) == 4
+    assert cfg.sandbox.kind == "docker" and cfg.sandbox.network == "none"
+    assert cfg.harness.name == "claude-code" and cfg.tasks.source.endswith(".jsonl")
+    assert (cfg.learner.device, cfg.learner.dtype, cfg.learner.attention) == ("cuda", "bfloat16", "flex_attention")
+    assert cfg.learner.gradient_checkpointing
+    assert cfg.merge.max_tokens >= cfg.model.max_context_tokens
+
+    launch = re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+) torchrun --standalone --nproc_per_node (\d+)",
+                       path.read_text())
+    assert launch, "the launch command is missing from the comment"
+    learner_gpus = [int(g) for g in launch.group(1).split(",")]
+    assert int(launch.group(2)) == len(learner_gpus)
+    assert not set(learner_gpus) & set(cfg.engine.launch_gpus)  # vLLM and learner share no GPU
+    spec = launch_spec(cfg, Path("/runs/8gpu/weights"), 8000, base_env={"CUDA_VISIBLE_DEVICES": launch.group(1)})
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert spec.argv[spec.argv.index("--data-parallel-size") + 1] == "4"
