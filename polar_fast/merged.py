@@ -55,46 +55,10 @@ class MergeStats(msgspec.Struct, frozen=True, kw_only=True):
         return self.new_root + self.in_completion + self.in_prompt
 
 
-@dataclass(frozen=True, eq=False)
-class Merged:
-    layout: Layout
-    rollout_ids: list[str]
-    stats: MergeStats
-    tokens: np.ndarray
-    positions: np.ndarray
-    parent: np.ndarray
-    size: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    rollout: np.ndarray
-    node: np.ndarray
-    offsets: np.ndarray
-    extra_index: np.ndarray
-    extra_rollout: np.ndarray
-    extra_logprob: np.ndarray
-    extra_version: np.ndarray
+@dataclass(frozen=True, eq=False, kw_only=True)
+class TokenArrays:
+    """The per-token arrays (and extras) that `Merged` and `MicroBatch` share; see above."""
 
-    @property
-    def n_sequences(self) -> int:
-        return len(self.offsets) - 1
-
-
-@dataclass(frozen=True, eq=False)
-class PackPlan:
-    """Where one micro-batch's tokens come from: positions in `Merged` plus local structure."""
-
-    index: np.ndarray  # int32 (T,) positions in the Merged arrays
-    parent: np.ndarray  # int32 (T,) local
-    size: np.ndarray  # int32 (T,) local
-    loss_mask: np.ndarray  # uint8 (T,) merged mask, zeroed where a repeated token was owned earlier
-    offsets: np.ndarray  # int32 (P+1,) local sequence boundaries
-    extra_ids: np.ndarray  # int32 (E,) rows of Merged's extra_* arrays
-    extra_index: np.ndarray  # int32 (E,) local positions of those extras
-
-
-@dataclass(frozen=True, eq=False)
-class MicroBatch:
     tokens: np.ndarray
     positions: np.ndarray
     parent: np.ndarray
@@ -112,6 +76,37 @@ class MicroBatch:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Merged(TokenArrays):
+    """One group's calls merged; indices in `rollout` refer to `rollout_ids`."""
+
+    layout: Layout
+    rollout_ids: list[str]
+    stats: MergeStats
+
+
+@dataclass(frozen=True, eq=False)
+class PackPlan:
+    """Where one micro-batch's tokens come from: positions in `Merged` plus local structure."""
+
+    index: np.ndarray  # int32 (T,) positions in the Merged arrays
+    parent: np.ndarray  # int32 (T,) local
+    size: np.ndarray  # int32 (T,) local
+    loss_mask: np.ndarray  # uint8 (T,) merged mask, zeroed where a repeated token was owned earlier
+    offsets: np.ndarray  # int32 (P+1,) local sequence boundaries
+    extra_ids: np.ndarray  # int32 (E,) rows of Merged's extra_* arrays
+    extra_index: np.ndarray  # int32 (E,) local positions of those extras
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class MicroBatch(TokenArrays):
+    """One packed batch of at most `max_tokens` tokens; `rollout` indexes its Merged's rollout_ids."""
 
 
 def gather(merged: Merged, plan: PackPlan) -> MicroBatch:
