@@ -226,3 +226,28 @@ async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path,
     merged = merge.merge(calls)
     assert merged.stats.n_samples == step["learner/n_terms"] and merged.stats.n_breaks == 0
     assert sorted(r.reward for r in contents.rollouts) == [0.0, 1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
+    out = tmp_path / "run"
+    raw = {
+        "run": {"output_dir": str(out), "steps": 5, "groups_per_step": 1, "tensorboard": False},
+        "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES * 5},
+        "sampling": {"max_tokens": 4096},
+        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 120},
+        "tasks": {"source": "builtin", "limit": 1},
+        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
+    }
+    config = tmp_path / "run.toml"
+    config.write_text(toml_text(raw))
+    command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        wait_for(lambda: (out / "records.log").exists() and read_log(out / "records.log").calls, 300, proc)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped early on request" in output
+    assert list((out / "checkpoints").glob("step_*.pt"))
+    assert read_log(out / "records.log").torn_bytes == 0
