@@ -20,10 +20,8 @@ second Ctrl-C cancels at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ from polar_fast.grpo import Learner
 from polar_fast.metrics import MetricsWriter
 from polar_fast.records import CallRecord, Outcome
 from polar_fast.rollouts import open_rollouts
+from polar_fast.signals import StopSignal
 from polar_fast.tasks import Task, load_tasks
 from polar_fast.weight_sync import DiskSync, EngineSync
 
@@ -95,32 +94,6 @@ def _weight_sync(cfg: Config, engine, run_dir: Path):
     return EngineSync(engine)
 
 
-class _StopSignal:
-    """First SIGINT/SIGTERM sets the event (graceful stop); a second one cancels `task`."""
-
-    def __init__(self, task: asyncio.Task) -> None:
-        self.event = asyncio.Event()
-        self._task = task
-        self._loop = asyncio.get_running_loop()
-        self._installed: list[int] = []
-
-    def __enter__(self) -> _StopSignal:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                self._loop.add_signal_handler(sig, self._handle)
-                self._installed.append(sig)
-        return self
-
-    def _handle(self) -> None:
-        if self.event.is_set():
-            self._task.cancel()
-        self.event.set()
-
-    def __exit__(self, *exc: object) -> None:
-        for sig in self._installed:
-            self._loop.remove_signal_handler(sig)
-
-
 async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, dict], None] | None = None) -> RunSummary:
     """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
     "status" (every second), "step" (after each step) and "info" events for progress display."""
@@ -141,7 +114,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             sync = _weight_sync(cfg, rollouts.engine, run_dir)
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
-            with _StopSignal(asyncio.current_task()) as stop:
+            with StopSignal(asyncio.current_task()) as stop:
                 loop = _Loop(rollouts.cfg, learner, sync, rollouts.pools(), rollouts.agent, rollouts.proxy,
                              metrics, summary, stop.event, emit)
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))

@@ -35,7 +35,6 @@ import collections
 import ipaddress
 import math
 import secrets
-import signal
 import struct
 import time
 from contextlib import asynccontextmanager
@@ -52,6 +51,7 @@ from polar_fast.errors import ConfigError
 from polar_fast.merged import EXTRA_FIELDS, TOKEN_FIELDS, Merged
 from polar_fast.pools import GroupSpec, Pools, RolloutGroup
 from polar_fast.records import CallRecord, Record, RolloutRecord
+from polar_fast.signals import StopSignal
 from polar_fast.tasks import Task, TaskError, parse_task
 
 FRAME_HEADER = struct.Struct("<I")
@@ -347,16 +347,9 @@ async def open_rollout_service(cfg: Config, *, host: str | None = None,
 
 async def serve_rollouts(cfg: Config, *, host: str | None = None, port: int | None = None) -> None:
     """Run the service until SIGINT/SIGTERM (the CLI's entry point)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    with StopSignal() as stop:
         async with open_rollout_service(cfg, host=host, port=port) as running:
             print(f"polar_fast rollout service on {running.url}  (proxy {running.rollouts.proxy.base_url}, "
                   f"harness {cfg.harness.name}, engine {cfg.engine.kind})", flush=True)
             print(f"submit: curl -X POST {running.url}/rollouts/groups -d '{{\"task\": \"<builtin id>\"}}'", flush=True)
-            await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+            await stop.event.wait()

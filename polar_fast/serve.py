@@ -8,13 +8,13 @@ harness at `<base_url>` from the reply (or use the token as its API key), and ev
 from __future__ import annotations
 
 import asyncio
-import signal
 from pathlib import Path
 
 import msgspec
 
 from polar_fast.config import Config
 from polar_fast.records import RecordLog
+from polar_fast.signals import StopSignal
 
 
 async def serve_forever(cfg: Config, *, host: str | None = None, port: int | None = None,
@@ -29,21 +29,16 @@ async def serve_forever(cfg: Config, *, host: str | None = None, port: int | Non
     await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
     engine = await asyncio.to_thread(build_engine, cfg)
     log = await asyncio.to_thread(RecordLog, out / "records.log", fsync=cfg.proxy.record_fsync)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        async with serve(cfg, engine, log) as proxy:
-            print(f"polar_fast proxy on {proxy.base_url}  (model {cfg.model.name!r}, engine {cfg.engine.kind})", flush=True)
-            if proxy.unix_socket:
-                print(f"also on unix socket {proxy.unix_socket}", flush=True)
-            print(f"new session: curl -X POST {proxy.base_url}/sessions ; records: {out / 'records.log'}", flush=True)
-            if ready is not None:
-                ready.set()
-            await stop.wait()
+        with StopSignal() as stop:
+            async with serve(cfg, engine, log) as proxy:
+                print(f"polar_fast proxy on {proxy.base_url}  (model {cfg.model.name!r}, engine {cfg.engine.kind})", flush=True)
+                if proxy.unix_socket:
+                    print(f"also on unix socket {proxy.unix_socket}", flush=True)
+                print(f"new session: curl -X POST {proxy.base_url}/sessions ; records: {out / 'records.log'}", flush=True)
+                if ready is not None:
+                    ready.set()
+                await stop.event.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         log.close()
         await engine.aclose()
