@@ -110,3 +110,25 @@ def sse(data: bytes, event: str | None = None) -> bytes:
 
 def json_text(value: Any) -> str:
     return msgspec.json.encode(value).decode()
+
+
+# OpenAI-style error bodies (chat completions and responses), by our error kind.
+_OPENAI_ERRORS = {
+    "invalid_request": ("invalid_request_error", None),
+    "context_length": ("invalid_request_error", "context_length_exceeded"),
+    "too_large": ("invalid_request_error", "request_too_large"),
+    "authentication": ("authentication_error", "invalid_api_key"),
+    "not_found": ("not_found_error", None),
+    "engine": (None, "engine_unavailable"),
+    "timeout": (None, "engine_timeout"),
+    "internal": (None, None),
+}
+
+
+def openai_error(kind: str, message: str, *, server_type: str) -> bytes:
+    """The error object the OpenAI clients parse; `server_type` names server-side failures
+    ("api_error" for chat completions, "server_error" for responses)."""
+    type_, code = _OPENAI_ERRORS.get(kind, (None, None))
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": type_ or server_type, "param": None, "code": code}}
+    )

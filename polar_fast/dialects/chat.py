@@ -23,6 +23,7 @@ from polar_fast.dialects import (
     ToolCall,
     decode,
     json_text,
+    openai_error,
     reject_media,
     sse,
 )
@@ -196,18 +197,5 @@ def stream(c: Completion, meta: ReplyMeta, *, include_usage: bool = False) -> It
     yield sse(b"[DONE]")
 
 
-_ERROR_TYPES = {
-    "invalid_request": ("invalid_request_error", None),
-    "context_length": ("invalid_request_error", "context_length_exceeded"),
-    "too_large": ("invalid_request_error", "request_too_large"),
-    "authentication": ("authentication_error", "invalid_api_key"),
-    "not_found": ("not_found_error", None),
-    "engine": ("api_error", "engine_unavailable"),
-    "timeout": ("api_error", "engine_timeout"),
-    "internal": ("api_error", None),
-}
-
-
 def error(status: int, kind: str, message: str) -> bytes:
-    type_, code = _ERROR_TYPES.get(kind, ("api_error", None))
-    return msgspec.json.encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    return openai_error(kind, message, server_type="api_error")

@@ -26,6 +26,7 @@ from polar_fast.dialects import (
     Tool,
     ToolCall,
     decode,
+    openai_error,
     reject_media,
     sse,
 )
@@ -262,18 +263,5 @@ def _item_events(event, index: int, item: dict[str, Any]) -> Iterator[bytes]:
     yield event("response.output_item.done", output_index=index, item=item)
 
 
-_ERROR_TYPES = {
-    "invalid_request": ("invalid_request_error", None),
-    "context_length": ("invalid_request_error", "context_length_exceeded"),
-    "too_large": ("invalid_request_error", "request_too_large"),
-    "authentication": ("authentication_error", "invalid_api_key"),
-    "not_found": ("not_found_error", None),
-    "engine": ("server_error", "engine_unavailable"),
-    "timeout": ("server_error", "engine_timeout"),
-    "internal": ("server_error", None),
-}
-
-
 def error(status: int, kind: str, message: str) -> bytes:
-    type_, code = _ERROR_TYPES.get(kind, ("server_error", None))
-    return msgspec.json.encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    return openai_error(kind, message, server_type="server_error")
