@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,19 @@ def base_image(docker_required) -> str:
     from polar_fast.sandboxes.images import ensure_base_image
 
     return ensure_base_image()
+
+
+@pytest.fixture(scope="session")
+def bundles() -> dict[str, Path]:
+    """Every harness bundle; installed by scripts/test.sh, so this is a cached no-op there."""
+    from polar_fast.harnesses import HARNESSES, default_bundle_root
+
+    return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
+
+
+@pytest.fixture
+def dirs(tmp_path) -> tuple[Path, Path]:
+    """A private HOME and a task directory for one harness run on the host."""
+    home, task = tmp_path / "home", tmp_path / "task"
+    home.mkdir(), task.mkdir()
+    return home, task

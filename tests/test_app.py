@@ -15,10 +15,7 @@ import sys
 import time
 
 import anyio
-import msgspec
-import numpy as np
 import pytest
-import torch
 
 from polar_fast import merge
 from polar_fast.app import RunError, train
@@ -42,8 +39,8 @@ SUBMIT = bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
 GROUP_REPLIES = [bash_call(fix_command(TASK.patch)), SUBMIT, bash_call("ls"), SUBMIT]
 
 
-def run_config(tmp_path, *, steps: int = 1, sandbox: dict | None = None, harness_name: str = "mini-swe-agent",
-               replies: list[str] = GROUP_REPLIES, **sections):
+def raw_config(tmp_path, *, steps: int = 1, sandbox: dict | None = None, harness_name: str = "mini-swe-agent",
+               replies: list[str] = GROUP_REPLIES, **sections) -> dict:
     raw = {
         "run": {"output_dir": str(tmp_path / "run"), "steps": steps, "groups_per_step": 1,
                 "tensorboard": True, "max_staleness": 4},
@@ -58,11 +55,11 @@ def run_config(tmp_path, *, steps: int = 1, sandbox: dict | None = None, harness
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
-    return parse_config(raw)
+    return raw
 
 
-def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+def run_config(tmp_path, **options):
+    return parse_config(raw_config(tmp_path, **options))
 
 
 @pytest.mark.anyio
@@ -170,16 +167,8 @@ def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, d
     from polar_fast.rollouts import run_id_for
 
     out = tmp_path / "run"
-    raw = {
-        "run": {"output_dir": str(out), "steps": 2, "groups_per_step": 1, "max_staleness": 4,
-                "tensorboard": False},
-        "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES * 3},
-        "sampling": {"max_tokens": 4096},
-        "sandbox": {"kind": "docker", "network": "none"},
-        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 120},
-        "tasks": {"source": "builtin", "limit": 1},
-        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
-    }
+    raw = raw_config(tmp_path, steps=2, sandbox={"kind": "docker", "network": "none"}, run={"tensorboard": False},
+                     engine={"scripted_replies": GROUP_REPLIES * 3})
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
@@ -232,14 +221,7 @@ async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path,
 @pytest.mark.timeout(600)
 def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
     out = tmp_path / "run"
-    raw = {
-        "run": {"output_dir": str(out), "steps": 5, "groups_per_step": 1, "tensorboard": False},
-        "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES * 5},
-        "sampling": {"max_tokens": 4096},
-        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 120},
-        "tasks": {"source": "builtin", "limit": 1},
-        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
-    }
+    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False})
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]

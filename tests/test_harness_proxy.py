@@ -39,7 +39,7 @@ from aiohttp import web
 
 from harness_run import run_on_host
 from polar_fast.engines import Generation, Sampling
-from polar_fast.harnesses import HARNESSES, default_bundle_root, get_harness
+from polar_fast.harnesses import get_harness
 from polar_fast.model import load_tokenizer
 from polar_fast.records import CallRecord
 from polar_fast.testing import scripted_proxy
@@ -192,19 +192,6 @@ async def front(target: str, *, refuse_streams: bool = False) -> AsyncIterator[F
         yield Front(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", seen)
     finally:
         await runner.cleanup()
-
-
-@pytest.fixture(scope="module")
-def bundles() -> dict[str, Path]:
-    # Cached by scripts/test.sh (`python -m polar_fast.harnesses install --all`): a no-op here.
-    return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
-
-
-@pytest.fixture
-def dirs(tmp_path) -> tuple[Path, Path]:
-    home, task = tmp_path / "home", tmp_path / "task"
-    home.mkdir(), task.mkdir()
-    return home, task
 
 
 def _read(path: Path) -> str | None:

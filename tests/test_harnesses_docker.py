@@ -14,18 +14,13 @@ import pytest
 
 from harness_servers import FakeModel, serve
 from polar_fast.config import SandboxConfig
-from polar_fast.harnesses import HARNESSES, default_bundle_root, get_harness
+from polar_fast.harnesses import get_harness
 from polar_fast.sandboxes import Mount, SandboxSpec
 from polar_fast.sandboxes.docker import DockerSandboxFactory
 
 MODEL = "polar-test-model"
 BUNDLE_MOUNT = "/opt/polar/harness"
 PORT_IN_BOX = 18080  # loopback port inside the container; any free one works
-
-
-@pytest.fixture(scope="module")
-def bundles() -> dict[str, Path]:
-    return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
 
 
 @pytest.fixture

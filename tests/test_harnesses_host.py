@@ -5,13 +5,12 @@ the CLI must exit 0 having printed the answer."""
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 
 import pytest
 
 from harness_run import run_on_host
 from harness_servers import FakeModel, serve
-from polar_fast.harnesses import HARNESSES, default_bundle_root, get_harness
+from polar_fast.harnesses import get_harness
 
 MODEL = "polar-test-model"
 # harness -> the API path its requests use
@@ -22,19 +21,6 @@ DIALECT_PATH = {
     "pi": "/v1/chat/completions",
     "mini-swe-agent": "/v1/chat/completions",
 }
-
-
-@pytest.fixture(scope="module")
-def bundles() -> dict[str, Path]:
-    # Cached by scripts/test.sh (`python -m polar_fast.harnesses install --all`): a no-op here.
-    return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
-
-
-@pytest.fixture
-def dirs(tmp_path) -> tuple[Path, Path]:
-    home, task = tmp_path / "home", tmp_path / "task"
-    home.mkdir(), task.mkdir()
-    return home, task
 
 
 @pytest.mark.anyio
