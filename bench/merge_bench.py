@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared trace generators, not benches
 
 from synthetic_traces import PROFILES, group_calls  # noqa: E402
 
