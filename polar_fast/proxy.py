@@ -35,14 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
 from aiohttp import web
 
 from polar_fast.chat.history import History, Prompt
-from polar_fast.chat.render import Renderer, template_tool
-from polar_fast.dialects import Completion, Conversation, DialectError, Message, ReplyMeta, ToolCall
+from polar_fast.chat.render import Renderer, template_message, template_tool
+from polar_fast.dialects import Completion, Conversation, DialectError, ReplyMeta, ToolCall
 from polar_fast.dialects import anthropic, chat, responses
 from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
 from polar_fast.errors import ConfigError
@@ -358,7 +358,7 @@ async def _complete_in_engine(state: ProxyState, session: Session, conv: Convers
         raise ConfigError('engine.render = "engine" needs the vllm engine')
     sampling = _sampling(state, conv, 0)
     version = state.engine.policy_version
-    messages = [_openai_message(m) for m in conv.messages]
+    messages = [template_message(m, parse_arguments=False) for m in conv.messages]
     try:
         async with asyncio.timeout(state.cfg.engine.timeout_s):
             reply = await chat_fn(messages, [template_tool(t) for t in conv.tools], sampling, session_id=session.session_id)
@@ -378,19 +378,6 @@ async def _complete_in_engine(state: ProxyState, session: Session, conv: Convers
         completion_tokens=len(reply.generation.token_ids),
     )
     return reply.prompt_ids, reply.generation, version, completion, "render:engine"
-
-
-def _openai_message(m: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.reasoning:
-        out["reasoning_content"] = m.reasoning
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls
-        ]
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
-    return out
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -185,13 +185,16 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def template_message(m: Message) -> dict[str, Any]:
+def template_message(m: Message, *, parse_arguments: bool = True) -> dict[str, Any]:
+    """A message as OpenAI-style chat dicts. Chat templates want tool-call arguments as objects;
+    an OpenAI-compatible server (vLLM's chat route) wants the JSON text: parse_arguments=False."""
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.reasoning:
         out["reasoning_content"] = m.reasoning
     if m.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _arguments(c.arguments) if parse_arguments else c.arguments}}
             for c in m.tool_calls
         ]
     if m.tool_call_id:
