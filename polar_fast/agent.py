@@ -13,6 +13,7 @@ training loop takes the finished group (`take_calls`).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from polar_fast.harnesses import Harness
@@ -67,7 +68,7 @@ class HarnessAgent:
             result = await box.exec(cmd.argv, env=cmd.env, cwd=box.workdir, timeout_s=timeout_s)
         finally:
             self.proxy.state.sessions.pop(session.token, None)  # late requests now get 401
-            self._calls[rollout_id] = list(session.records)
+            self._calls[rollout_id] = await asyncio.to_thread(session.records)
         output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
         failed = result.exit_code != 0 or result.timed_out
         infra = ""

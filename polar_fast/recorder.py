@@ -26,13 +26,14 @@ class Recorder:
     def __init__(self, log: RecordLog, *, queue_size: int = 1024) -> None:
         self.log = log
         # one (records, future) item per put(); None stops run()
-        self._queue: asyncio.Queue[tuple[tuple[Record, ...], asyncio.Future[None]] | None] = asyncio.Queue(queue_size)
+        self._queue: asyncio.Queue[tuple[tuple[Record | bytes, ...], asyncio.Future[None]] | None] = asyncio.Queue(queue_size)
         self._written = 0
         self._batches = 0
 
-    async def put(self, *records: Record) -> None:
-        """Hand records to the writer and wait until they are appended to the log, in order and
-        in one batch (a call record and its exchange record land together)."""
+    async def put(self, *records: Record | bytes) -> None:
+        """Hand records (or frames encoded already) to the writer and wait until they are
+        appended to the log, in order and in one batch (a call record and its exchange record
+        land together)."""
         done = asyncio.get_running_loop().create_future()
         await self._queue.put((records, done))
         await done
@@ -63,7 +64,7 @@ class Recorder:
             if batch[-1] is None:
                 return
 
-    def _append(self, records: list[Record]) -> None:
+    def _append(self, records: list[Record | bytes]) -> None:
         for record in records:
             self.log.append(record)
 

@@ -115,8 +115,93 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 
 def encode_frame(record: Record) -> bytes:
-    payload = _encoder.encode(record)
+    return _frame(_encoder.encode(record))
+
+
+def _frame(payload: bytes) -> bytes:
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_frame(frame: bytes) -> Record:
+    """The record of one frame made by `encode_frame` (checksum not checked: in-memory use)."""
+    return _decoder.decode(memoryview(frame)[_HEADER.size :])
+
+
+# ----------------------------------------------------------------------------- growing records
+# A session's records grow by a little per call: the prompt by a suffix, the exchange's messages
+# by the new turns. Re-encoding ~1e4-1e5 ids and the whole conversation per call costs more than
+# everything else the proxy does for it. msgpack encodes each array element on its own, so the
+# element bytes of `a + b` are those of `a` followed by those of `b`: the proxy keeps each
+# session's element bytes, extends them per call and writes the record with them as a
+# pre-encoded field. The bytes on disk are identical to `encode_frame`'s.
+
+
+def ids_body(ids: list[int]) -> bytes:
+    """msgpack bytes of `ids`' elements, without the array header."""
+    return _encoder.encode(ids)[_array_header_size(len(ids)) :]
+
+
+def _array_header_size(n: int) -> int:
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5  # fixarray | array16 | array32
+
+
+def _array(n: int, body: bytes) -> msgspec.Raw:
+    if n < 16:
+        head = bytes([0x90 | n])
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + body)
+
+
+class MessagesBody:
+    """One session's conversation as msgpack element bytes, re-encoding only the messages that
+    changed since the previous call (harnesses resend the same prefix; frozen structs compare
+    with a memcmp)."""
+
+    def __init__(self) -> None:
+        self._messages: list[Message] = []
+        self._bodies: list[bytes] = []
+
+    def body(self, messages: list[Message]) -> bytes:
+        old, bodies = self._messages, self._bodies
+        n = 0
+        while n < len(messages) and n < len(old) and (messages[n] is old[n] or messages[n] == old[n]):
+            n += 1
+        bodies = bodies[:n] + [_encoder.encode(m) for m in messages[n:]]
+        self._messages, self._bodies = messages, bodies
+        return b"".join(bodies)
+
+
+def _raw_twin(cls: type, raw_field: str, tag: str) -> type:
+    """`cls` with `raw_field` typed msgspec.Raw: same name, tag, fields and order, so it encodes
+    to the same bytes when that field holds the pre-encoded value."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        type_ = msgspec.Raw if f.name == raw_field else f.type
+        fields.append((f.name, type_) if f.default is msgspec.NODEFAULT else (f.name, type_, f.default))
+    return msgspec.defstruct(cls.__name__, fields, kw_only=True, tag=tag)
+
+
+_CallRecordWire = _raw_twin(CallRecord, "prompt_ids", "call")
+_ExchangeRecordWire = _raw_twin(ExchangeRecord, "messages", "exchange")
+
+
+def _encode_with_raw(twin: type, record: Record, field: str, raw: msgspec.Raw) -> bytes:
+    fields = {f: getattr(record, f) for f in record.__struct_fields__}
+    fields[field] = raw
+    return _frame(_encoder.encode(twin(**fields)))
+
+
+def encode_call_frame(record: CallRecord, prompt_body: bytes) -> bytes:
+    """`encode_frame(record)`, given `ids_body(record.prompt_ids)` (usually grown call by call)."""
+    return _encode_with_raw(_CallRecordWire, record, "prompt_ids", _array(len(record.prompt_ids), prompt_body))
+
+
+def encode_exchange_frame(record: ExchangeRecord, messages_body: bytes) -> bytes:
+    """`encode_frame(record)`, given `record.messages`' element bytes (`MessagesBody.body`)."""
+    return _encode_with_raw(_ExchangeRecordWire, record, "messages", _array(len(record.messages), messages_body))
 
 
 class RecordLog:
@@ -138,8 +223,9 @@ class RecordLog:
                 self.repaired_bytes = contents.torn_bytes
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def append(self, record: Record) -> None:
-        frame = encode_frame(record)
+    def append(self, record: Record | bytes) -> None:
+        """Append a record, or a frame already made by `encode_frame` / `encode_call_frame`."""
+        frame = record if isinstance(record, bytes) else encode_frame(record)
         written = os.write(self._fd, frame)
         if written != len(frame):  # a regular file only short-writes when the disk is full
             raise OSError(f"short write to {self.path}: {written} of {len(frame)} bytes")

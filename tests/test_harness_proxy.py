@@ -121,8 +121,8 @@ class StepEngine:
         self._replies = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id] for r in replies]
         self.prompts: list[str] = []  # decoded, for assertions
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = "") -> Generation:
-        text = await asyncio.to_thread(self.tokenizer.decode, prompt_ids)
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = "") -> Generation:
+        text = await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids))
         self.prompts.append(text)
         # Parallel results of one step share a user turn: count turns, not blocks.
         steps = text.count("<|im_start|>user\n<tool_response>")

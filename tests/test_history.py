@@ -62,7 +62,7 @@ def test_suffix_prompts_equal_whole_render_reference(tokenizer, template):
             assert prompt.history == "exact"
             cut = r.text_after(msgs, TOOLS, n_through)
             reference = reference + completion + r.encode(cut)
-        assert prompt.ids == reference
+        assert list(prompt.ids) == reference
         reply_text = f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "ls {turn}"}}}}\n</tool_call>'
         completion = tokenizer.encode(reply_text, add_special_tokens=False) + [tokenizer.eos_token_id]
         content, reasoning, calls = r.parse(completion, TOOLS, lambda: f"call_{turn}")

@@ -9,14 +9,23 @@ import textwrap
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from polar_fast.dialects import Message
 from polar_fast.records import (
     CallRecord,
+    ExchangeRecord,
+    MessagesBody,
     Outcome,
     RecordLog,
     RolloutRecord,
     Timings,
+    encode_call_frame,
+    encode_exchange_frame,
     encode_frame,
+    ids_body,
+    iter_frames,
     read_log,
 )
 
@@ -43,6 +52,42 @@ def test_round_trip_of_both_record_kinds(tmp_path):
     assert contents.calls == [make_call(0), make_call(1)]
     assert contents.rollouts[0].reward is None
     assert contents.torn_bytes == 0 and contents.valid_bytes == path.stat().st_size
+
+
+# ids at every msgpack width boundary (fixint, uint8/16/32), lists across the fixarray/array16/32 sizes
+_ids = st.lists(st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]) | st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(_ids, max_size=5), pad=st.sampled_from([0, 15, 16, 65535 - 8, 65536]))
+def test_call_frame_from_grown_id_bytes_equals_a_fresh_encoding(parts, pad):
+    # The proxy writes a call record from prompt-id bytes extended call by call (ids_body of
+    # each piece, concatenated): the frame must be byte-identical to encoding the record whole.
+    parts = parts + [[5] * pad]
+    prompt = [i for p in parts for i in p]
+    record = msgspec.structs.replace(make_call(0), prompt_ids=prompt)
+    body = b"".join(ids_body(p) for p in parts)
+    frame = encode_call_frame(record, body)
+    assert frame == encode_frame(record)
+    (end, decoded), = iter_frames(frame)
+    assert decoded == record and end == len(frame)
+
+
+_texts = st.sampled_from(["", "ls", "done", "x" * 40])
+_message = st.builds(Message, role=st.sampled_from(["system", "user", "assistant", "tool"]), content=_texts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.lists(_message, max_size=20), edits=st.lists(st.tuples(st.integers(0, 25), st.lists(_message, max_size=4)), max_size=6))
+def test_exchange_frames_from_cached_message_bytes_equal_fresh_encodings(start, edits):
+    # A session's conversations: each call keeps a prefix of the last one (cut at `keep`:
+    # growth, compaction, edits) and appends new turns. Every frame must equal a fresh encoding.
+    cache, messages = MessagesBody(), start
+    for call_index, (keep, new) in enumerate([(len(start), [])] + edits):
+        messages = messages[:keep] + new
+        record = ExchangeRecord(session_id="s", rollout_id="r", group_id="g", call_index=call_index, model="m",
+                                dialect="chat", messages=messages, reply=Message(role="assistant", content="ok"))
+        assert encode_exchange_frame(record, cache.body(messages)) == encode_frame(record)
 
 
 def test_mismatched_logprobs_are_rejected():

@@ -78,7 +78,7 @@ def _run_two_calls(renderer, reply_text: str, second_assistant: Message | None =
 
 def test_exact_history_extends_and_matches_scratch_render(renderer):
     p1, completion, p2 = _run_two_calls(renderer, '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>')
-    assert p2.history == "exact" and p2.ids[: len(p1.ids) + len(completion)] == p1.ids + completion
+    assert p2.history == "exact" and list(p2.ids[: len(p1.ids) + len(completion)]) == list(p1.ids) + completion
     # Client-side whitespace and ids differ, arguments re-serialised: still a match.
     call = ToolCall(id="other", name="bash", arguments='{ "command":"ls" }')
     _, _, p3 = _run_two_calls(renderer, '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', Message(role="assistant", content=" ", tool_calls=(call,)))
@@ -89,8 +89,8 @@ def test_exact_history_keeps_sampled_tokens_the_template_would_change(renderer):
     # Sampled text that the template would render differently (reasoning is not re-rendered by
     # the fallback): the next prompt still holds exactly the sampled ids.
     p1, completion, p2 = _run_two_calls(renderer, "<think>plan</think>Answer.")
-    assert p2.history == "exact" and p2.ids[: len(p1.ids) + len(completion)] == p1.ids + completion
-    assert p2.ids != renderer.render([Message(role="system", content="sys"), Message(role="user", content="do it"),
+    assert p2.history == "exact" and list(p2.ids[: len(p1.ids) + len(completion)]) == list(p1.ids) + completion
+    assert list(p2.ids) != renderer.render([Message(role="system", content="sys"), Message(role="user", content="do it"),
                                       Message(role="assistant", content="Answer.", reasoning="plan"),
                                       Message(role="tool", content="out", tool_call_id="x")], TOOLS)
 

@@ -23,14 +23,17 @@ system prompt into the last user turn) falls back to whole renders for that sess
 `exact_full`), still exact.
 
 Costs per exact call stay flat as a session grows: messages unchanged since the previous request
-are recognised by struct equality and reuse their keys, so matching is pointer comparisons, and
-prompt ids are joined with one copy. No match (compaction, injected reminders, edited history)
+are recognised by struct equality and reuse their keys, so matching is pointer comparisons;
+prompt ids are joined with one copy, and so are their msgpack bytes for the call record. Ids are
+`array("i")`: a list or tuple of 1e4-1e5 ids is walked element by element by every garbage
+collection that finds it alive, which cost more than everything else here together. No match (compaction, injected reminders, edited history)
 → render from scratch; the label says why.
 """
 
 from __future__ import annotations
 
 import json
+from array import array
 from collections import Counter
 from typing import Literal
 
@@ -38,6 +41,7 @@ import msgspec
 
 from polar_fast.chat.render import Renderer
 from polar_fast.dialects import Message, Tool
+from polar_fast.records import ids_body
 
 _Key = tuple
 
@@ -59,10 +63,11 @@ def tools_key(tools: list[Tool]) -> bytes:
 
 
 class Prompt(msgspec.Struct, frozen=True):
-    ids: list[int]
+    ids: array  # of "i": a Sequence[int] the garbage collector never walks (see the module doc)
     history: str  # "exact", or "render:<cause>"
     keys: tuple  # message keys of the request
     tools: bytes
+    body: bytes  # records.ids_body(ids), grown call by call like the ids
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -70,7 +75,9 @@ class Plan(msgspec.Struct, frozen=True):
     the suffix `text` that follows the `base` ids. `History.plan` is cheap and runs on the event
     loop; `History.finish` holds the heavy part and is safe in a worker thread."""
 
-    base: list[int]
+    base: array  # a matched call's prompt ids
+    added: array  # + its sampled ids (+ end-of-turn)
+    base_body: bytes  # records.ids_body(base + added)
     text: str
     whole: bool
     history: str
@@ -81,9 +88,12 @@ class Plan(msgspec.Struct, frozen=True):
 class _Call(msgspec.Struct):
     keys: tuple  # request messages + the reply we sent
     tools: bytes
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    closed: bool  # the sampled ids end with a stop token (else an end-of-turn id is added)
+    prompt_ids: array
+    added: array  # sampled ids (+ the end-of-turn id when sampling did not close)
+    base_body: bytes  # records.ids_body(prompt_ids + added)
+
+
+_NO_IDS = array("i")
 
 
 class History:
@@ -105,10 +115,12 @@ class History:
     def finish(self, plan: Plan, messages: list[Message], tools: list[Tool]) -> Prompt:
         """The prompt ids of `plan` (made by `plan(messages, tools)`). Touches no session state."""
         if plan.whole:
-            return Prompt(self.renderer.render(messages, tools), plan.history, plan.keys, plan.tools)
-        ids = plan.base  # a fresh list made by plan(): extend it rather than copy ~1e4 ids again
-        ids += self.renderer.encode(plan.text)
-        return Prompt(ids, plan.history, plan.keys, plan.tools)
+            ids = self.renderer.render(messages, tools)
+            return Prompt(array("i", ids), plan.history, plan.keys, plan.tools, ids_body(ids))
+        suffix = self.renderer.encode(plan.text)
+        ids = plan.base + plan.added
+        ids.extend(suffix)
+        return Prompt(ids, plan.history, plan.keys, plan.tools, plan.base_body + ids_body(suffix))
 
     def plan(self, messages: list[Message], tools: list[Tool]) -> Plan:
         keys, tkey = self._keys(messages, tools)
@@ -116,18 +128,15 @@ class History:
         if call is not None:
             suffix = self._suffix(messages, tools, len(call.keys))
             if suffix is not None:
-                base = call.prompt_ids + call.completion_ids
-                if not call.closed:
-                    base.append(self.renderer.eot_id)
                 self.causes["exact"] += 1
-                return Plan(base, suffix, False, "exact", keys, tkey)
+                return Plan(call.prompt_ids, call.added, call.base_body, suffix, False, "exact", keys, tkey)
             label = "render:template_mismatch"
         elif self.mode == "template":
             label = "render:template"
         else:
             label = "render:no_match" if self._calls else "render:first_call"
         self.causes[label] += 1
-        return Plan([], "", True, label, keys, tkey)
+        return Plan(_NO_IDS, _NO_IDS, b"", "", True, label, keys, tkey)
 
     def _keys(self, messages: list[Message], tools: list[Tool]) -> tuple[tuple, bytes]:
         """Message keys and tools key, reusing the previous request's for unchanged messages
@@ -172,8 +181,9 @@ class History:
         if self.mode == "template":
             return
         closed = bool(completion_ids) and completion_ids[-1] in self.renderer.stop_ids
+        added = completion_ids if closed else [*completion_ids, self.renderer.eot_id]
         keys = prompt.keys + (message_key(reply),)
-        self._calls.append(_Call(keys, prompt.tools, prompt.ids, self.renderer.intern(completion_ids), closed))
+        self._calls.append(_Call(keys, prompt.tools, prompt.ids, array("i", added), prompt.body + ids_body(added)))
         if len(self._calls) > self.max_calls:
             del self._calls[0]
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import threading
+from array import array
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from polar_fast.chat.parsers import parse_tool_calls, split_reasoning
 from polar_fast.chat.template import HERMES_CHATML, template_supports_tools
@@ -59,7 +60,8 @@ class Renderer:
         self._compiled = _compile(self.template)
         backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer of a fast tokenizer
         self._batch = getattr(backend, "encode_batch_fast", None)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()  # long turns -> ids, LRU
+        # long turns -> ids, LRU; arrays, which the garbage collector never walks (lists it would)
+        self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_lock = threading.Lock()  # encode() runs in worker threads
         self._tools_reach_suffix: dict[bytes, bool] = {}
         # One int object per token id, allocated together: id lists built from these are what
@@ -90,7 +92,7 @@ class Renderer:
             end = len(text) if end < 0 else end + len(self.eot)
             turns.append(text[start:end])
             start = end
-        parts: list[list[int] | None] = [self._cached(t) for t in turns]
+        parts: list[Sequence[int] | None] = [self._cached(t) for t in turns]
         todo = [i for i, p in enumerate(parts) if p is None]
         if todo:
             for i, ids in zip(todo, self._encode_many([turns[i] for i in todo])):
@@ -113,7 +115,7 @@ class Renderer:
         except (IndexError, TypeError):  # an id beyond the vocabulary: keep the list as is
             return list(ids)
 
-    def _cached(self, turn: str) -> list[int] | None:
+    def _cached(self, turn: str) -> array | None:
         if len(turn) < _CACHE_MIN_CHARS:  # short turns: the cache would cost more than it saves
             return None
         with self._cache_lock:
@@ -124,7 +126,7 @@ class Renderer:
 
     def _remember(self, turn: str, ids: list[int]) -> None:
         with self._cache_lock:
-            self._cache[turn] = ids
+            self._cache[turn] = array("i", ids)
             if len(self._cache) > _CACHE_TURNS:
                 self._cache.popitem(last=False)
 

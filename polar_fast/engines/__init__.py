@@ -8,7 +8,7 @@ the proxy turns into 5xx replies: `EngineUnavailable` (down, refused, 5xx after 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import msgspec
 
@@ -59,8 +59,10 @@ class Engine(Protocol):
     policy_version: int
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = ""
-    ) -> Generation: ...
+        self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""
+    ) -> Generation:
+        """`prompt_ids` is a list or, from the proxy, an `array("i")`; never mutated."""
+        ...
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, *, version: int

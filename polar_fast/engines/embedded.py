@@ -13,7 +13,7 @@ Choices:
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from polar_fast.engines import Generation, Sampling
 
@@ -43,7 +43,7 @@ class EmbeddedEngine:
         return cls(cfg.model, cfg.engine)
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = ""
+        self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""
     ) -> Generation:
         async with self._lock:
             ids, logprobs, finish = await asyncio.to_thread(self._generate, prompt_ids, sampling)
@@ -51,7 +51,7 @@ class EmbeddedEngine:
                 token_ids=ids, logprobs=logprobs, finish_reason=finish, policy_version=self.policy_version
             )
 
-    def _generate(self, prompt_ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], str]:
+    def _generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> tuple[list[int], list[float], str]:
         import torch
         from transformers import DynamicCache
 
@@ -61,7 +61,7 @@ class EmbeddedEngine:
             generator = torch.Generator(device=self._engine_cfg.device).manual_seed(sampling.seed)
         device = self._engine_cfg.device
         cache = DynamicCache()
-        step_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        step_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
         ids: list[int] = []
         logprobs: list[float] = []
         with torch.inference_mode():

@@ -9,7 +9,7 @@ the proxy bench (`delay_s` gives it a fixed latency) and dry runs of a harness i
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from polar_fast.engines import EngineUnavailable, Generation, Sampling
 
@@ -51,7 +51,7 @@ class ScriptedEngine:
         return len(self._replies) - self._next
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = ""
+        self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""
     ) -> Generation:
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
@@ -61,7 +61,7 @@ class ScriptedEngine:
             self._next = 0
         ids = self._replies[self._next]
         self._next += 1
-        self.prompts.append(list(prompt_ids))
+        self.prompts.append(prompt_ids)  # kept, not copied (~1e4 ids): a prompt is never mutated once made
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"

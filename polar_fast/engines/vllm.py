@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import msgspec
 
@@ -138,9 +138,9 @@ class VllmEngine:
         return body
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, *, session_id: str = ""
+        self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""
     ) -> Generation:
-        body = self._sampling_fields(sampling) | {"prompt": prompt_ids, "logprobs": 0}
+        body = self._sampling_fields(sampling) | {"prompt": list(prompt_ids), "logprobs": 0}
         raw = await self._post("/v1/completions", body, session_id=session_id)
         try:
             choice = _completion_decoder.decode(raw).choices[0]
