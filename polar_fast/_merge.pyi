@@ -1,4 +1,5 @@
-"""Type stub of the Rust extension (rust/merge/src/lib.rs). Call it through polar_fast.merge."""
+"""Type stub of the Rust extension (rust/merge/src/lib.rs). Call it through polar_fast.merge and
+polar_fast.fast_tokenizer."""
 
 from typing import Any, Literal, Sequence
 
@@ -49,3 +50,20 @@ def pack_plan(
         MergeError: max_tokens < 1, a root-to-leaf path longer than max_tokens, or arrays
             that do not describe a forest (inconsistent parent / size / offsets).
     """
+
+class BpeEncoder:
+    """A byte-level BPE tokenizer that encodes exactly as HF `tokenizers` does.
+
+    Raises:
+        ValueError: (from the constructor) the tokenizer.json is malformed or uses a part the
+            encoder does not reproduce exactly; the message names that part.
+    """
+
+    def __new__(cls, tokenizer_json: str) -> BpeEncoder:
+        """Build from a tokenizer.json string (`tokenizers.Tokenizer.to_str()`)."""
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`, as HF `encode(text, add_special_tokens=False).ids` (GIL released)."""
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in order, in one call (GIL released)."""

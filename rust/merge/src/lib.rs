@@ -1,5 +1,6 @@
-//! polar_fast._merge: the prefix-trie merge as Python sees it. This is the only file that knows
-//! pyo3; trie.rs and pack.rs are plain Rust with their own cargo tests.
+//! polar_fast._merge: the prefix-trie merge and the byte-level BPE encoder as Python sees them.
+//! This is the only file that knows pyo3; trie.rs, pack.rs and bpe.rs are plain Rust with their
+//! own cargo tests.
 //!
 //! Only plain data crosses: msgpack bytes or a list of record objects in, numpy arrays out (moved,
 //! not copied). The heavy part runs with the GIL released (`py.detach`).
@@ -8,8 +9,11 @@ use numpy::{IntoPyArray, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+pub mod bpe;
+mod bpe_unicode;
 pub mod error;
 pub mod pack;
+pub mod pretokenize;
 pub mod record;
 pub mod trie;
 
@@ -169,10 +173,33 @@ fn pack_plan<'py>(
     Ok(out)
 }
 
+/// A byte-level BPE tokenizer that encodes exactly as HF `tokenizers`; see polar_fast/fast_tokenizer.py.
+#[pyclass(module = "polar_fast._merge", frozen)]
+struct BpeEncoder(bpe::BpeEncoder);
+
+#[pymethods]
+impl BpeEncoder {
+    #[new]
+    fn new(py: Python<'_>, tokenizer_json: &str) -> PyResult<Self> {
+        py.detach(|| bpe::BpeEncoder::from_json(tokenizer_json))
+            .map(BpeEncoder)
+            .map_err(pyo3::exceptions::PyValueError::new_err)
+    }
+
+    fn encode(&self, py: Python<'_>, text: &str) -> Vec<u32> {
+        py.detach(|| self.0.encode(text))
+    }
+
+    fn encode_many(&self, py: Python<'_>, texts: Vec<String>) -> Vec<Vec<u32>> {
+        py.detach(|| texts.iter().map(|t| self.0.encode(t)).collect())
+    }
+}
+
 #[pymodule]
 fn _merge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge, m)?)?;
     m.add_function(wrap_pyfunction!(pack_plan, m)?)?;
+    m.add_class::<BpeEncoder>()?;
     m.add("MergeError", m.py().import("polar_fast.errors")?.getattr("MergeError")?)?;
     Ok(())
 }
