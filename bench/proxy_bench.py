@@ -9,10 +9,13 @@ model's tool call, a tool result and get a short answer. Concurrency = sessions 
 
 Prints one row per (concurrency, mode): p50/p99 latency through the proxy and direct, the added
 latency, requests/s both ways and their ratio, and CPU ms per request of the proxy process (all
-its threads) and of this load-generating client (they share the machine's cores). Correctness beside timing: every call after a
+its threads) and of this load-generating client (they share the machine's cores). `floor +p50`
+is the added p50 of a do-nothing aiohttp server with the proxy's routes, request bodies and
+reply bytes, driven by the same client: what HTTP and the load generator cost on this machine
+before the proxy does any work (the part of `added` no proxy change can remove). Correctness beside timing: every call after a
 session's first must be an exact-history extension. Last line:
-RESULT added_p50_ms=X added_p99_ms=Y rps_ratio=Z   (X, Y at concurrency 64 streaming; Z = proxy
-requests/s / direct requests/s at concurrency 256, streaming).
+RESULT added_p50_ms=X added_p99_ms=Y rps_ratio=Z floor_added_p50_ms=F   (X, Y, F at concurrency 64
+streaming; Z = proxy requests/s / direct requests/s at concurrency 256, streaming).
 
     .venv/bin/python bench/proxy_bench.py [--quick] [--render-threads N] [--profile FILE]
 
@@ -106,6 +109,47 @@ def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int
     prof.dump_stats(profile)
 
 
+def serve_floor(port_file: str, delay_s: float) -> None:
+    """The HTTP floor: an aiohttp server with the proxy's routes that reads each request body,
+    waits the engine's latency and answers with the reply bytes the proxy would send, doing
+    nothing else. The same client against it shows what HTTP and the load generator alone add
+    on this machine, apart from the proxy's own work."""
+    from aiohttp import web
+
+    from polar_fast.dialects import Completion, ReplyMeta, ToolCall, chat
+
+    call = ToolCall(id="call_0", name="bash", arguments='{"command": "ls -la src/"}')
+    completion = Completion(tool_calls=(call,), finish_reason="tool_calls", prompt_tokens=20000, completion_tokens=30)
+    meta = ReplyMeta(id="0", created=0, model="m")
+    replies = {False: chat.reply(completion, meta), True: b"".join(chat.stream(completion, meta, include_usage=False))}
+
+    async def session(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"token": "t"})
+
+    async def complete(request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        await asyncio.sleep(delay_s)
+        stream = bool(body.get("stream"))
+        return web.Response(body=replies[stream], content_type="text/event-stream" if stream else "application/json")
+
+    async def main() -> None:
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/sessions", session)
+        app.router.add_post("/s/{token}/v1/chat/completions", complete)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        Path(port_file).write_text(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        await stop.wait()
+        await runner.cleanup()
+
+    uvloop.run(main())
+
+
 # ----------------------------------------------------------------------------- load
 
 
@@ -133,6 +177,14 @@ async def proxy_session(http, root: str, i: int, args, stream: bool, latencies: 
             {"role": "tool", "tool_call_id": call_id, "content": tool_result(i, turn)},
         ]
     return token
+
+
+async def run_floor(root: str, args, concurrency: int, stream: bool) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(proxy_session(http, root, i, args, stream, latencies) for i in range(concurrency)))
+        return latencies, len(latencies) / (time.perf_counter() - t0)
 
 
 async def run_proxy(root: str, args, concurrency: int, stream: bool) -> tuple[list[float], float, list[list[int]]]:
@@ -178,14 +230,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench(root: str, args, server_pid: int) -> None:
+async def bench(root: str, floor_root: str, args, server_pid: int) -> None:
     from polar_fast.engines.scripted import ScriptedEngine
 
     engine = ScriptedEngine([[1] * 30], delay_s=args.delay_ms / 1000, cycle=True)
     engine.prompts = _Discard()
     print(f"fake engine latency {args.delay_ms} ms, first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
-    header = f"{'conc':>5} {'mode':>6} {'n':>6} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>8} {'added p50':>10} {'p99':>8} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10} {'client':>7}"
+    header = (
+        f"{'conc':>5} {'mode':>5} {'n':>5} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>7} {'added p50':>10}"
+        f" {'p99':>8} {'floor +p50':>11} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10} {'client':>7}"
+    )
     print(header)
+    ms = lambda x: x * 1000  # noqa: E731
     results = {}
     for concurrency in args.concurrency:
         # --quick keeps what RESULT reads (streaming) beyond concurrency 1, to stay under 30 s.
@@ -194,21 +250,33 @@ async def bench(root: str, args, server_pid: int) -> None:
             lat_p, rps_p, prompts = await run_proxy(root, args, concurrency, stream)
             cpu_ms = (cpu_s(server_pid) - cpu0) * 1000 / len(lat_p)
             client_ms = (time.process_time() - client0) * 1000 / len(lat_p)
+            lat_f, _ = await run_floor(floor_root, args, concurrency, stream)
             lat_d, rps_d = await run_direct(engine, prompts, concurrency)
-            ms = lambda x: x * 1000  # noqa: E731
             added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
             added99 = ms(percentile(lat_p, 0.99) - percentile(lat_d, 0.99))
+            floor50 = ms(percentile(lat_f, 0.5) - percentile(lat_d, 0.5))
             mode = "sse" if stream else "json"
-            results[(concurrency, mode)] = (added50, added99, rps_p / rps_d)
+            results[(concurrency, mode)] = (added50, added99, rps_p / rps_d, floor50)
             print(
-                f"{concurrency:>5} {mode:>6} {len(lat_p):>6} {ms(percentile(lat_p, .5)):>10.2f} {ms(percentile(lat_p, .99)):>8.2f}"
-                f" {ms(percentile(lat_d, .5)):>11.2f} {ms(percentile(lat_d, .99)):>8.2f} {added50:>10.2f} {added99:>8.2f}"
-                f" {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f} {client_ms:>7.2f}",
+                f"{concurrency:>5} {mode:>5} {len(lat_p):>5} {ms(percentile(lat_p, .5)):>10.2f} {ms(percentile(lat_p, .99)):>8.2f}"
+                f" {ms(percentile(lat_d, .5)):>11.2f} {ms(percentile(lat_d, .99)):>7.2f} {added50:>10.2f} {added99:>8.2f}"
+                f" {floor50:>11.2f} {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f} {client_ms:>7.2f}",
                 flush=True,
             )
+    print("floor +p50: added p50 of a do-nothing aiohttp server with the same routes, bodies and replies (HTTP + this client alone)")
     mid = results.get((64, "sse")) or next(iter(results.values()))
     top = results.get((256, "sse")) or list(results.values())[-1]
-    print(f"RESULT added_p50_ms={mid[0]:.3f} added_p99_ms={mid[1]:.3f} rps_ratio={top[2]:.3f}")
+    print(f"RESULT added_p50_ms={mid[0]:.3f} added_p99_ms={mid[1]:.3f} rps_ratio={top[2]:.3f} floor_added_p50_ms={mid[3]:.3f}")
+
+
+def _start(tmp: str, name: str, argv: list[str]) -> tuple[subprocess.Popen, str]:
+    port_file = os.path.join(tmp, name + ".url")
+    server = subprocess.Popen([sys.executable, __file__, *argv, port_file])
+    while not os.path.exists(port_file) or not Path(port_file).read_text():
+        if server.poll() is not None:
+            raise SystemExit(f"{name} process exited early")
+        time.sleep(0.1)
+    return server, Path(port_file).read_text()
 
 
 def main() -> None:
@@ -221,24 +289,27 @@ def main() -> None:
     p.add_argument("--render-threads", type=int, default=1, help="proxy.render_threads of the proxy process")
     p.add_argument("--profile", default="", help="write a cProfile of the proxy process to this file")
     p.add_argument("--serve", help=argparse.SUPPRESS)
+    p.add_argument("--serve-floor", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         return serve(args.serve, args.delay_ms / 1000, args.profile, args.render_threads)
+    if args.serve_floor:
+        return serve_floor(args.serve_floor, args.delay_ms / 1000)
     if args.quick:
         args.turns, args.prompt_tokens = 4, 20000
+    delay = ["--delay-ms", str(args.delay_ms)]
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "proxy.url")
-        cmd = [sys.executable, __file__, "--serve", port_file, "--delay-ms", str(args.delay_ms), "--profile", args.profile, "--render-threads", str(args.render_threads)]
-        server = subprocess.Popen(cmd)
+        servers = []
         try:
-            while not os.path.exists(port_file) or not Path(port_file).read_text():
-                if server.poll() is not None:
-                    raise SystemExit("proxy process exited early")
-                time.sleep(0.1)
-            uvloop.run(bench(Path(port_file).read_text(), args, server.pid))
+            proxy, root = _start(tmp, "proxy", [*delay, "--profile", args.profile, "--render-threads", str(args.render_threads), "--serve"])
+            servers.append(proxy)
+            floor, floor_root = _start(tmp, "floor", [*delay, "--serve-floor"])
+            servers.append(floor)
+            uvloop.run(bench(root, floor_root, args, proxy.pid))
         finally:
-            server.terminate()
-            server.wait()
+            for server in servers:
+                server.terminate()
+                server.wait()
 
 
 if __name__ == "__main__":
