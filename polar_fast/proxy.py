@@ -258,8 +258,6 @@ def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Samplin
 # os.urandom per id (a syscall each, slow on some VMs). Session tokens stay `secrets`.
 _ids = random.Random(secrets.randbits(128))
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-# Suffixes shorter than this are tokenised on the event loop: a worker-thread hop costs more.
-_INLINE_ENCODE_CHARS = 1024
 
 
 def _reply_id() -> str:
@@ -279,7 +277,7 @@ async def _prompt(state: ProxyState, history: History, conv: Conversation) -> Pr
     if plan.whole:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(state.render_pool, history.finish, plan, conv.messages, conv.tools)
-    if len(plan.text) > _INLINE_ENCODE_CHARS:
+    if len(plan.text) > state.renderer.inline_encode_chars:
         return await asyncio.to_thread(history.finish, plan, conv.messages, conv.tools)
     return history.finish(plan, conv.messages, conv.tools)
 

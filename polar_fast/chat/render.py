@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from polar_fast.chat.parsers import parse_tool_calls, split_reasoning
 from polar_fast.chat.template import HERMES_CHATML, template_supports_tools
 from polar_fast.dialects import Message, Tool, ToolCall
+from polar_fast.fast_tokenizer import fast_encoder
 
 
 # A conversation whose last turns show what a template prints after a reply: a tool result, a
@@ -58,16 +59,17 @@ class Renderer:
         self.stop_ids = {self.eot_id}
         self._variables = dict(tokenizer.special_tokens_map)
         self._compiled = _compile(self.template)
-        backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer of a fast tokenizer
+        # The Rust byte-level BPE (same ids, ~10x faster) where it reproduces this tokenizer
+        # exactly, else the HF tokenizers backend of a fast tokenizer, else the slow tokenizer.
+        self._fast = fast_encoder(tokenizer)
+        # Texts up to this long cost less to tokenise on the event loop than a thread hop does.
+        self.inline_encode_chars = 16384 if self._fast is not None else 1024
+        backend = getattr(tokenizer, "_tokenizer", None)
         self._batch = getattr(backend, "encode_batch_fast", None)
         # long turns -> ids, LRU; arrays, which the garbage collector never walks (lists it would)
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_lock = threading.Lock()  # encode() runs in worker threads
         self._tools_reach_suffix: dict[bytes, bool] = {}
-        # One int object per token id, allocated together: id lists built from these are what
-        # the proxy keeps per session, and the garbage collector walks them several times each;
-        # shared, adjacent ints make that walk ~5x faster than tokenizer-fresh ones (and smaller).
-        self._id_objects = list(range(max(tokenizer.get_vocab().values(), default=0) + 1))
 
     def text(self, messages: list[Message], tools: list[Tool], *, generation_prompt: bool) -> str:
         msgs = [template_message(m) for m in messages]
@@ -104,16 +106,11 @@ class Renderer:
         return [i for p in parts for i in p]  # type: ignore[union-attr]
 
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if self._fast is not None:
+            return self._fast.encode_many(texts)
         if self._batch is not None:
-            return [self.intern(e.ids) for e in self._batch(texts, add_special_tokens=False)]
-        return [self.intern(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-
-    def intern(self, ids: list[int]) -> list[int]:
-        """The same ids as the shared int objects (see __init__)."""
-        try:
-            return list(map(self._id_objects.__getitem__, ids))
-        except (IndexError, TypeError):  # an id beyond the vocabulary: keep the list as is
-            return list(ids)
+            return [e.ids for e in self._batch(texts, add_special_tokens=False)]
+        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def _cached(self, turn: str) -> array | None:
         if len(turn) < _CACHE_MIN_CHARS:  # short turns: the cache would cost more than it saves
