@@ -51,6 +51,9 @@ def pack_plan(
             that do not describe a forest (inconsistent parent / size / offsets).
     """
 
+def crc32(data: bytes) -> int:
+    """`zlib.crc32(data)`, computed with SIMD folding (GIL released)."""
+
 class BpeEncoder:
     """A byte-level BPE tokenizer that encodes exactly as HF `tokenizers` does.
 

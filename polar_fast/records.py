@@ -20,12 +20,12 @@ from __future__ import annotations
 import enum
 import os
 import struct
-import zlib
 from pathlib import Path
 from typing import Iterator
 
 import msgspec
 
+from polar_fast._merge import crc32  # = zlib.crc32, SIMD: frames of a long session are ~1e5 bytes each
 from polar_fast.dialects import Message, Tool
 
 _HEADER = struct.Struct("<II")
@@ -119,7 +119,7 @@ def encode_frame(record: Record) -> bytes:
 
 
 def _frame(payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    return _HEADER.pack(len(payload), crc32(payload)) + payload
 
 
 def decode_frame(frame: bytes) -> Record:
@@ -272,7 +272,7 @@ def iter_frames(data: bytes) -> Iterator[tuple[int, Record]]:
         if length > MAX_FRAME_BYTES or start + length > len(data):
             return
         payload = data[start : start + length]
-        if zlib.crc32(payload) != crc:
+        if crc32(payload) != crc:
             return
         yield start + length, _decoder.decode(payload)
         offset = start + length

@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polar_fast._merge import crc32
 from polar_fast.dialects import Message
 from polar_fast.records import (
     CallRecord,
@@ -88,6 +90,12 @@ def test_exchange_frames_from_cached_message_bytes_equal_fresh_encodings(start, 
         record = ExchangeRecord(session_id="s", rollout_id="r", group_id="g", call_index=call_index, model="m",
                                 dialect="chat", messages=messages, reply=Message(role="assistant", content="ok"))
         assert encode_exchange_frame(record, cache.body(messages)) == encode_frame(record)
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.binary(max_size=5000) | st.builds(lambda n, b: b * n, st.integers(0, 300), st.binary(min_size=1, max_size=700)))
+def test_rust_crc32_equals_zlib(data):
+    assert crc32(data) == zlib.crc32(data)
 
 
 def test_mismatched_logprobs_are_rejected():

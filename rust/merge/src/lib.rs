@@ -195,9 +195,17 @@ impl BpeEncoder {
     }
 }
 
+/// CRC-32 (zlib's polynomial, so `zlib.crc32(data)`) of a record frame, with SIMD folding: the
+/// proxy checksums ~1e5 bytes per call, ~4x faster than zlib here.
+#[pyfunction]
+fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
+    py.detach(|| crc32fast::hash(data))
+}
+
 #[pymodule]
 fn _merge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(pack_plan, m)?)?;
     m.add_class::<BpeEncoder>()?;
     m.add("MergeError", m.py().import("polar_fast.errors")?.getattr("MergeError")?)?;
