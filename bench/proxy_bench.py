@@ -158,25 +158,57 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection with just enough client to POST a body and read a
+    Content-Length reply (the proxy sends every reply, SSE too, in one piece). The load
+    generator shares this machine's cores with the proxy: aiohttp's client costs ~3x more CPU per
+    request, which would show up as proxy latency."""
+
+    def __init__(self, root: str) -> None:
+        host, port = root.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+
+    async def __aenter__(self) -> Connection:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.writer.close()
+
+    async def post(self, path: str, data: bytes) -> tuple[int, bytes]:
+        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        self.writer.writelines((head.encode(), data))
+        reply = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(reply[9:12])
+        lines = reply.lower().split(b"\r\n")
+        length = next((int(line[15:]) for line in lines if line.startswith(b"content-length:")), None)
+        assert length is not None, f"reply without Content-Length: {reply[:300]!r}"
+        return status, await self.reader.readexactly(length)
+
+
 async def proxy_session(http, root: str, i: int, args, stream: bool, latencies: list[float]) -> str:
     async with http.post(root + "/sessions", json={"rollout_id": f"r{i}"}) as r:
         token = (await r.json())["token"]
     messages = first_messages(i, args.prompt_tokens)
-    for turn in range(args.turns):
-        body = {"model": "m", "messages": messages, "tools": TOOLS, "stream": stream, "max_tokens": 64}
-        data = msgspec.json.encode(body)
-        t0 = time.perf_counter()
-        async with http.post(f"{root}/s/{token}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
-            payload = await r.read()
-        latencies.append(time.perf_counter() - t0)
-        assert r.status == 200, payload[:300]
-        call_id = f"call_{i}_{turn}"
-        args_text = json.dumps({"command": "ls -la src/"})
-        messages = messages + [
-            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "bash", "arguments": args_text}}]},
-            {"role": "tool", "tool_call_id": call_id, "content": tool_result(i, turn)},
-        ]
+    async with Connection(root) as conn:
+        for turn in range(args.turns):
+            messages = await _turn(conn, f"/s/{token}/v1/chat/completions", messages, i, turn, stream, latencies)
     return token
+
+
+async def _turn(conn: Connection, path: str, messages: list[dict], i: int, turn: int, stream: bool, latencies: list[float]) -> list[dict]:
+    """One model call of session `i`; returns the conversation the harness sends next."""
+    data = msgspec.json.encode({"model": "m", "messages": messages, "tools": TOOLS, "stream": stream, "max_tokens": 64})
+    t0 = time.perf_counter()
+    status, payload = await conn.post(path, data)
+    latencies.append(time.perf_counter() - t0)
+    assert status == 200, payload[:300]
+    call_id = f"call_{i}_{turn}"
+    args_text = json.dumps({"command": "ls -la src/"})
+    return messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "bash", "arguments": args_text}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": tool_result(i, turn)},
+    ]
 
 
 async def run_floor(root: str, args, concurrency: int, stream: bool) -> tuple[list[float], float]:
@@ -298,6 +330,11 @@ def main() -> None:
     if args.quick:
         args.turns, args.prompt_tokens = 4, 20000
     delay = ["--delay-ms", str(args.delay_ms)]
+    # Servers and this client on disjoint cores, so the client's work never preempts the proxy's
+    # (the harnesses run in their own sandboxes in production).
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores, client_cores = (set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])) if len(cores) > 1 else (set(cores), set(cores))
+    print(f"cores: servers {sorted(server_cores)}, client {sorted(client_cores)}")
     with tempfile.TemporaryDirectory() as tmp:
         servers = []
         try:
@@ -305,6 +342,10 @@ def main() -> None:
             servers.append(proxy)
             floor, floor_root = _start(tmp, "floor", [*delay, "--serve-floor"])
             servers.append(floor)
+            for server in servers:
+                for tid in os.listdir(f"/proc/{server.pid}/task"):  # affinity is per thread
+                    os.sched_setaffinity(int(tid), server_cores)
+            os.sched_setaffinity(0, client_cores)
             uvloop.run(bench(root, floor_root, args, proxy.pid))
         finally:
             for server in servers:
