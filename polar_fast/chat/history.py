@@ -26,8 +26,9 @@ Costs per exact call stay flat as a session grows: messages unchanged since the 
 are recognised by struct equality and reuse their keys, so matching is pointer comparisons;
 prompt ids are joined with one copy, and so are their msgpack bytes for the call record. Ids are
 `array("i")`: a list or tuple of 1e4-1e5 ids is walked element by element by every garbage
-collection that finds it alive, which cost more than everything else here together. No match (compaction, injected reminders, edited history)
-→ render from scratch; the label says why.
+collection that finds it alive, which cost more than everything else here together.
+No match (compaction, injected reminders, edited history) → render from scratch; the label says
+why.
 """
 
 from __future__ import annotations
