@@ -140,7 +140,8 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa (explicit mask) on CPU
+    # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa on CPU; the learner runs
+    # sdpa per block of the packed batch, never on a (T, T) mask (packed_attention.py)
     attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from polar_fast import losses
+from polar_fast import losses, packed_attention
 from polar_fast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.config import Config, LearnerConfig
 from polar_fast.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
@@ -190,9 +190,10 @@ def _world() -> tuple[int, int]:
 
 
 def _attention_impl(cfg: LearnerConfig, device: torch.device) -> str:
-    if cfg.attention != "auto":
-        return cfg.attention
-    return "flex_attention" if device.type == "cuda" else "sdpa"
+    kind = cfg.attention
+    if kind == "auto":
+        kind = "flex_attention" if device.type == "cuda" else "sdpa"
+    return packed_attention.NAME if kind == "sdpa" else kind  # SDPA kernels, per block, no (T, T) mask
 
 
 class Learner:
@@ -227,8 +228,9 @@ class Learner:
         self.policy = PackedLM(model)
         if self.world > 1:
             self._shard()
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+        self.optimizer = torch.optim.AdamW(  # fused: one kernel for all parameters (CPU and CUDA)
+            self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+            fused=self.device.type in ("cpu", "cuda"),
         )
         self.step_count = 0
         self.version = 0

@@ -5,17 +5,22 @@ One attention rule serves both layouts: query q may attend key k iff k <= q < k 
 in every sequence); for `tree` it is the ancestor rule of the DFS-flattened trie, with depth as
 the position id, so a shared prefix is computed once for all its branches.
 
-Masks: SDPA (CPU, or GPU without flex) gets an explicit boolean (1, 1, T, T) mask; eager gets
-the same as an additive float mask; `flex_attention` gets a FlexAttention BlockMask built from
-the same rule, which skips fully masked blocks (the sparse part of a tree). transformers passes a
-4D mask / BlockMask through to the attention function untouched. We do not special-case
-flash-attn varlen for `paths`: the BlockMask is equally sparse for block-diagonal masks.
+Masks: the learner's SDPA choice (CPU, or GPU without flex) is packed_attention.NAME, which
+never builds the (T, T) mask: a plan from `size`, made once per micro-batch and shared by every
+layer, runs causal SDPA per `paths` sequence and, in a tree, each block of queries against only
+its ancestors (see packed_attention.py). A model left on plain "sdpa" gets an explicit boolean
+(1, 1, T, T) mask; eager gets the same as an additive float mask; `flex_attention` gets a
+FlexAttention BlockMask built from the same rule, which skips fully masked blocks (the sparse
+part of a tree). transformers passes a 4D mask / BlockMask through to the attention function
+untouched. We do not special-case flash-attn varlen for `paths`: the BlockMask is equally sparse
+for block-diagonal masks.
 
 Logprobs. The logprob of a sampled token q is read from the hidden state of its PARENT
 (parent[q]), not of q - 1: in a tree the token before q in DFS order may sit on another branch.
 Only rows that carry a loss term are sent through the LM head, `chunk_tokens` rows at a time,
-each chunk under activation checkpointing, so (chunk, vocab) logits exist for one chunk at a
-time in forward and backward and full logits never materialise for a long sequence.
+each chunk but the last under activation checkpointing, so (chunk, vocab) logits exist for one
+chunk at a time in forward and backward and full logits never materialise for a long sequence.
+(The last chunk's backward follows right after its forward, so recomputing it would only cost.)
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from polar_fast import packed_attention
 
 
 class Terms(NamedTuple):
@@ -112,16 +120,19 @@ class PackedLM(nn.Module):
         chunk_tokens: int = 1024,
     ) -> torch.Tensor:  # (N,) float32 logprobs
         decoder = self.lm.get_decoder()
-        mask = attention_mask_for(self.lm, size, self.lm.dtype)
+        if getattr(self.lm.config, "_attn_implementation", None) == packed_attention.NAME:
+            extra = {"attention_mask": None, "packed_plan": packed_attention.plan(size, self.lm.dtype)}
+        else:
+            extra = {"attention_mask": attention_mask_for(self.lm, size, self.lm.dtype)}
         hidden = decoder(
-            input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False
+            input_ids=tokens[None], position_ids=positions[None], use_cache=False, **extra
         ).last_hidden_state[0]  # (T, H)
         rows = hidden.index_select(0, source)  # (N, H)
         head = self.lm.get_output_embeddings()
         parts = []
         for start in range(0, rows.shape[0], chunk_tokens):
             h, t = rows[start : start + chunk_tokens], target[start : start + chunk_tokens]
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and start + chunk_tokens < rows.shape[0]:  # not the last
                 parts.append(checkpoint(self._chunk_logprobs, head, h, t, use_reentrant=False))
             else:
                 parts.append(self._chunk_logprobs(head, h, t))
@@ -133,7 +144,7 @@ class PackedLM(nn.Module):
         logits = head(h).float()  # (chunk, V): the only place logits exist
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.gather(1, t[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        return -F.cross_entropy(logits, t, reduction="none")  # log_softmax(logits)[t], one fused kernel
 
 
 def batch_tensors(batch: Any, terms: Terms, device: torch.device | str) -> dict[str, torch.Tensor]:

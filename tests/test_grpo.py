@@ -50,6 +50,15 @@ def test_layouts_take_the_same_step():
     assert results["tree"][0].n_tokens <= results["paths"][0].n_tokens < results["percall"][0].n_tokens
 
 
+def test_bfloat16_autocast_layouts_agree():
+    # CPU autocast: packed attention's float32 masks go through SDPA's autocast with the queries
+    calls = branchy_calls(np.random.default_rng(3), 211)
+    rs = rollouts({"a": 1.0, "b": 0.0})
+    got = {layout: learner(layout, dtype="bfloat16").step(calls, rs) for layout in ("percall", "tree")}
+    assert math.isfinite(got["tree"].loss) and got["tree"].grad_norm > 0
+    assert got["tree"].loss == pytest.approx(got["percall"].loss, abs=1e-2)
+
+
 def test_gradient_checkpointing_takes_the_same_step():
     calls = branchy_calls(np.random.default_rng(3), 211)
     rs = rollouts({"a": 1.0, "b": 0.0})

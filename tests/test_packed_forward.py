@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from polar_fast import merge_reference
+from polar_fast import merge_reference, packed_attention
 from polar_fast.packed_forward import PackedLM, batch_tensors, dense_mask, loss_terms
 from polar_fast.records import CallRecord
 
@@ -159,3 +159,60 @@ def test_term_at_sequence_root_is_rejected():
     bad = terms._replace(position=np.array([0]))
     with pytest.raises(ValueError, match="sequence root"):
         batch_tensors(mb, bad, "cpu")
+
+
+def plan_as_mask(p, t: int) -> torch.Tensor:
+    """The (T, T) mask a packed-attention plan computes, failing if a pair is computed twice."""
+    seen = torch.zeros(t, t, dtype=torch.int64)
+    key_index = torch.arange(t) if p.key_index is None else p.key_index
+    queries = torch.arange(t).split(p.sizes)
+    for q, keys, mask in zip(queries, key_index.split(p.key_sizes), p.masks, strict=True):
+        if mask is None:
+            assert torch.equal(keys, q), "a causal block sees exactly its queries"
+            mask = torch.ones(len(q), len(q), dtype=torch.bool).tril()
+        else:
+            mask = mask == 0  # additive: 0 where allowed, -inf elsewhere
+        seen[q[:, None], keys[None, :]] += mask.long()
+    assert seen.max() <= 1
+    return seen.bool()
+
+
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+@pytest.mark.parametrize(("block_tokens", "merge_tokens"), [(256, 32), (4, 2), (7, 1), (3, 8)])
+def test_packed_attention_plan_is_ancestor_rule(layout, block_tokens, merge_tokens):
+    rng = np.random.default_rng(5)
+    calls = branchy_calls(rng, 50) + branchy_calls(rng, 50, prompt_len=60)
+    mb = merge_reference.pack(merge_reference.merge(calls, layout=layout), max_tokens=4096)[0]
+    size = torch.as_tensor(np.asarray(mb.size, dtype=np.int64))
+    p = packed_attention.plan(size, torch.float32, block_tokens, merge_tokens)
+    assert sum(p.sizes) == len(size)
+    assert torch.equal(plan_as_mask(p, len(size)), dense_mask(size)[0, 0])
+    if layout == "paths" and merge_tokens == 1:  # nothing merged: one causal block per sequence, no gather
+        assert p.key_index is None and p.masks == [None] * (len(mb.offsets) - 1)
+
+
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+@pytest.mark.parametrize(("block_tokens", "merge_tokens"), [(256, 32), (4, 2)])
+def test_packed_attention_equals_per_call(monkeypatch, layout, block_tokens, merge_tokens):
+    monkeypatch.setattr(packed_attention, "BLOCK_TOKENS", block_tokens)
+    monkeypatch.setattr(packed_attention, "MERGE_TOKENS", merge_tokens)
+    lm = tiny_llama()
+    calls = branchy_calls(np.random.default_rng(1), lm.config.vocab_size)
+    ref, ref_grad = per_call_reference(lm, calls)
+    lm.set_attn_implementation(packed_attention.NAME)
+    merged = merge_reference.merge(calls, layout=layout)
+    got, grad = packed_logprobs(lm, merged, merge_reference.pack(merged, max_tokens=4096), chunk_tokens=5)
+    assert set(got) == set(ref)
+    assert max(abs(got[k] - ref[k]) for k in ref) < 1e-5
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_attention_without_a_plan_is_sdpa_on_the_given_mask():
+    lm = tiny_llama()
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    want = lm(tokens).logits
+    lm.set_attn_implementation(packed_attention.NAME)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(lm(tokens, attention_mask=causal).logits, want)
+    with pytest.raises(ValueError, match="packed_plan"):
+        lm(tokens)
