@@ -20,7 +20,8 @@ Logprobs. The logprob of a sampled token q is read from the hidden state of its 
 Only rows that carry a loss term are sent through the LM head, `chunk_tokens` rows at a time,
 each chunk but the last under activation checkpointing, so (chunk, vocab) logits exist for one
 chunk at a time in forward and backward and full logits never materialise for a long sequence.
-(The last chunk's backward follows right after its forward, so recomputing it would only cost.)
+The last chunk's backward follows right after its forward, so it is kept, not recomputed; the
+short remainder chunk goes first, so that the kept one is a full chunk.
 """
 
 from __future__ import annotations
@@ -129,10 +130,12 @@ class PackedLM(nn.Module):
         ).last_hidden_state[0]  # (T, H)
         rows = hidden.index_select(0, source)  # (N, H)
         head = self.lm.get_output_embeddings()
+        n = rows.shape[0]
+        bounds = [0, *range(n % chunk_tokens or chunk_tokens, n + 1, chunk_tokens)]  # a short chunk first
         parts = []
-        for start in range(0, rows.shape[0], chunk_tokens):
-            h, t = rows[start : start + chunk_tokens], target[start : start + chunk_tokens]
-            if torch.is_grad_enabled() and start + chunk_tokens < rows.shape[0]:  # not the last
+        for start, stop in zip(bounds, bounds[1:]):
+            h, t = rows[start:stop], target[start:stop]
+            if torch.is_grad_enabled() and stop < n:  # the last chunk's backward follows at once
                 parts.append(checkpoint(self._chunk_logprobs, head, h, t, use_reentrant=False))
             else:
                 parts.append(self._chunk_logprobs(head, h, t))
