@@ -5,8 +5,11 @@ Traces look like a coding harness: every rollout of a group starts from one long
 last completion and a tool result; one rollout in four compacts its history midway (a branch).
 Per-call trains each call as its own sequence (what a plain trainer does); `paths` and `tree`
 train the merge of each group. Each layout gets a fresh copy of the same weights and the same
-rollouts; the table shows tokens forwarded, step time (forward + backward + AdamW, after one
-warm-up step) and speed-up over per-call, plus the step loss, which must agree across layouts.
+rollouts; the table shows tokens forwarded, step time (forward + backward + AdamW: the best of
+--repeats steps after one warm-up step, the layouts taking turns so that a busy moment on a
+shared machine hits all of them) and speed-up over per-call, plus the step loss of the warm-up
+step, which must agree across layouts. All layouts run the same learner code: on CPU, per-call
+sequences get plain causal SDPA, as a one-sequence trainer would.
 
     .venv/bin/python bench/learner_bench.py --quick              # < 30 s on 2 CPU cores
     .venv/bin/python bench/learner_bench.py --device cuda --model smollm2
@@ -30,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
 from polar_fast.records import CallRecord, Outcome, RolloutRecord  # noqa: E402
+
+LAYOUTS = ("percall", "paths", "tree")
 
 
 def harness_traces(*, groups: int, rollouts: int, calls: int, prompt: int, completion: int,
@@ -94,28 +99,34 @@ def run(args: argparse.Namespace) -> dict[str, dict]:
                         logprob_chunk_tokens=1024)
     print(f"model={args.model} device={args.device} merge={impl_name} calls={len(calls)} "
           f"rollouts={len(rollouts)} call_tokens={sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)}")
-    rows = {}
-    for layout in ("percall", "paths", "tree"):
-        learner = Learner(cfg, copy.deepcopy(model), layout=layout, max_tokens=args.max_tokens, merge_impl=impl)
+    learners, batches, rows = {}, {}, {}
+    for layout in LAYOUTS:
+        learners[layout] = Learner(cfg, copy.deepcopy(model), layout=layout, max_tokens=args.max_tokens,
+                                   merge_impl=impl)
         t0 = time.perf_counter()
-        batch = learner.prepare(calls, rollouts)
-        prepare_s = time.perf_counter() - t0
-        _sync(args.device)
-        t0 = time.perf_counter()
-        first = learner.train_step(batch)  # warm-up (kernels, allocator); its loss is compared
-        _sync(args.device)
-        times = [time.perf_counter() - t0] if args.repeats == 0 else []  # --quick: no warm-up
-        for _ in range(args.repeats):
-            _sync(args.device)
-            t0 = time.perf_counter()
-            learner.train_step(batch)
-            _sync(args.device)
-            times.append(time.perf_counter() - t0)
+        batches[layout] = batch = learners[layout].prepare(calls, rollouts)
         rows[layout] = {"tokens": batch.n_tokens, "micro_batches": len(batch.micro_batches),
-                        "terms": batch.n_terms, "prepare_s": prepare_s, "step_s": min(times),
-                        "loss": first.loss}
-        del learner
+                        "terms": batch.n_terms, "prepare_s": time.perf_counter() - t0}
+    times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    for layout in LAYOUTS:  # warm-up (kernels, allocator) on the same weights: its loss is compared
+        rows[layout]["loss"] = _timed_step(learners[layout], batches[layout], args.device, times[layout]).loss
+        if args.repeats:
+            times[layout].clear()
+    for _ in range(args.repeats):  # round-robin, so a busy moment on a shared machine hits every layout
+        for layout in LAYOUTS:
+            _timed_step(learners[layout], batches[layout], args.device, times[layout])
+    for layout in LAYOUTS:
+        rows[layout]["step_s"] = min(times[layout])
     return rows
+
+
+def _timed_step(learner: Learner, batch, device: str, times: list[float]):
+    _sync(device)
+    t0 = time.perf_counter()
+    metrics = learner.train_step(batch)
+    _sync(device)
+    times.append(time.perf_counter() - t0)
+    return metrics
 
 
 def _sync(device: str) -> None:
@@ -125,7 +136,7 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small traces, tiny model, one step per layout")
+    p.add_argument("--quick", action="store_true", help="small traces, tiny model, best of 3 steps per layout")
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex_attention", "eager"])
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.groups, args.rollouts, args.calls = 1, 4, 5
-        args.prompt, args.completion, args.tool, args.max_tokens, args.repeats = 400, 16, 32, 4096, 1
+        args.prompt, args.completion, args.tool, args.max_tokens, args.repeats = 400, 16, 32, 4096, 3
         args.vocab, args.hidden, args.layers = 8000, 128, 2
         args.threads = args.threads or 1
     if args.threads:
