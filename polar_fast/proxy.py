@@ -42,19 +42,17 @@ from aiohttp import web
 
 from polar_fast.chat.history import History, Prompt
 from polar_fast.chat.render import Renderer, template_message, template_tool
-from polar_fast.dialects import Completion, Conversation, DialectError, ReplyMeta, ToolCall
+from polar_fast.dialects import Completion, Conversation, DialectError, Message, ReplyMeta, ToolCall
 from polar_fast.dialects import anthropic, chat, responses
 from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
 from polar_fast.errors import ConfigError
 from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
-    MessagesBody,
     RecordLog,
     Timings,
     decode_frame,
     encode_call_frame,
-    encode_exchange_frame,
     ids_body,
 )
 from polar_fast.recorder import Recorder
@@ -75,7 +73,8 @@ class Session:
     # Its call records as log frames: bytes hold a session's ~1e4-1e5 ids per call in ~1/5 of the
     # memory of int lists, and the garbage collector never walks them.
     call_frames: list[bytes] = field(default_factory=list)
-    messages_body: MessagesBody = field(default_factory=MessagesBody)  # for its exchange records
+    # (call index, request messages) of its last exchange on disk: the next one stores a delta
+    last_exchange: tuple[int, list[Message]] = (-1, [])
     n_calls: int = 0
     engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
 
@@ -350,16 +349,13 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         history=history,
     )
     session.n_calls += 1
-    exchange = ExchangeRecord(
-        session_id=session.session_id, rollout_id=session.rollout_id, group_id=session.group_id,
-        call_index=record.call_index, model=state.cfg.model.name, dialect=dialect.NAME,
-        messages=conv.messages, tools=conv.tools, reply=completion.as_message(),
-    )
-    # Both in one batch of the writer (the exchange feeds SFT export). Prompt ids and messages go
-    # out as bytes grown call by call: only what is new in this call gets encoded.
+    exchange = _exchange(state, session, record.call_index, conv, completion, dialect)
+    # Both in one batch of the writer (the exchange feeds SFT export); the call record's prompt
+    # ids go out as bytes grown call by call: only the new suffix gets encoded.
     call_frame = encode_call_frame(record, prompt_body)
     session.call_frames.append(call_frame)
-    await state.recorder.put(call_frame, encode_exchange_frame(exchange, session.messages_body.body(conv.messages)))
+    await state.recorder.put(call_frame, exchange)
+    session.last_exchange = (record.call_index, conv.messages)
     meta = ReplyMeta(id=_reply_id(), created=int(started_at), model=conv.model or state.cfg.model.name)
     if not conv.stream:
         return web.Response(body=dialect.reply(completion, meta), content_type="application/json")
@@ -367,6 +363,24 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     # Content-Length, and the client's SSE parser splits them into events.
     body = b"".join(dialect.stream(completion, meta, include_usage=conv.include_usage))
     return web.Response(body=body, headers=_SSE_HEADERS)
+
+
+def _exchange(
+    state: ProxyState, session: Session, call_index: int, conv: Conversation, completion: Completion, dialect: ModuleType
+) -> ExchangeRecord:
+    """The call's exchange record, holding only the messages its request added to the session's
+    last recorded one (see ExchangeRecord)."""
+    prefix_call, previous = session.last_exchange
+    messages = conv.messages
+    n = 0
+    while n < len(messages) and n < len(previous) and (messages[n] is previous[n] or messages[n] == previous[n]):
+        n += 1
+    return ExchangeRecord(
+        session_id=session.session_id, rollout_id=session.rollout_id, group_id=session.group_id,
+        call_index=call_index, model=state.cfg.model.name, dialect=dialect.NAME,
+        messages=messages[n:] if n else messages, tools=conv.tools, reply=completion.as_message(),
+        prefix_call=prefix_call if n else -1, n_prefix=n,
+    )
 
 
 async def _complete_in_engine(state: ProxyState, session: Session, conv: Conversation, dialect: ModuleType):

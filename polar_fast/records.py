@@ -21,7 +21,7 @@ import enum
 import os
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import msgspec
 
@@ -94,8 +94,14 @@ class ExchangeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="exchange"):
 
     `messages` is the request as every dialect translates it (system, user, assistant turns with
     reasoning and tool calls, tool results); `reply` is the assistant message the proxy answered
-    with, parsed from the sampled ids. The whole conversation is stored each call, so every record
-    stands alone (a torn log or a lost call never corrupts a later one)."""
+    with, parsed from the sampled ids.
+
+    On disk a call stores only what its request added: its first `n_prefix` messages are those
+    of this session's exchange `prefix_call` (the call before it) and `messages` holds the rest.
+    Harnesses resend the whole conversation every call, so whole records would grow the log
+    quadratically with session length. `LogContents.exchanges` gives every record whole again;
+    one whose prefix record is missing (a torn log) is left out and counted there, never
+    completed wrongly. `prefix_call == -1`: `messages` is the whole request."""
 
     session_id: str
     rollout_id: str
@@ -106,6 +112,8 @@ class ExchangeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="exchange"):
     messages: list[Message]
     tools: list[Tool] = []
     reply: Message
+    prefix_call: int = -1
+    n_prefix: int = 0
 
 
 Record = CallRecord | RolloutRecord | ExchangeRecord
@@ -127,11 +135,10 @@ def decode_frame(frame: bytes) -> Record:
     return _decoder.decode(memoryview(frame)[_HEADER.size :])
 
 
-# ----------------------------------------------------------------------------- growing records
-# A session's records grow by a little per call: the prompt by a suffix, the exchange's messages
-# by the new turns. Re-encoding ~1e4-1e5 ids and the whole conversation per call costs more than
-# everything else the proxy does for it. msgpack encodes each array element on its own, so the
-# element bytes of `a + b` are those of `a` followed by those of `b`: the proxy keeps each
+# ----------------------------------------------------------------------------- growing prompts
+# A session's prompts grow by a suffix per call. Re-encoding ~1e4-1e5 ids per call costs more
+# than everything else the proxy does for it. msgpack encodes each array element on its own, so
+# the element bytes of `a + b` are those of `a` followed by those of `b`: the proxy keeps each
 # session's element bytes, extends them per call and writes the record with them as a
 # pre-encoded field. The bytes on disk are identical to `encode_frame`'s.
 
@@ -155,53 +162,21 @@ def _array(n: int, body: bytes) -> msgspec.Raw:
     return msgspec.Raw(head + body)
 
 
-class MessagesBody:
-    """One session's conversation as msgpack element bytes, re-encoding only the messages that
-    changed since the previous call (harnesses resend the same prefix; frozen structs compare
-    with a memcmp)."""
-
-    def __init__(self) -> None:
-        self._messages: list[Message] = []
-        self._bodies: list[bytes] = []
-
-    def body(self, messages: list[Message]) -> bytes:
-        old, bodies = self._messages, self._bodies
-        n = 0
-        while n < len(messages) and n < len(old) and (messages[n] is old[n] or messages[n] == old[n]):
-            n += 1
-        bodies = bodies[:n] + [_encoder.encode(m) for m in messages[n:]]
-        self._messages, self._bodies = messages, bodies
-        return b"".join(bodies)
+def _wire_fields():
+    for f in msgspec.structs.fields(CallRecord):
+        type_ = msgspec.Raw if f.name == "prompt_ids" else f.type
+        yield (f.name, type_) if f.default is msgspec.NODEFAULT else (f.name, type_, f.default)
 
 
-def _raw_twin(cls: type, raw_field: str, tag: str) -> type:
-    """`cls` with `raw_field` typed msgspec.Raw: same name, tag, fields and order, so it encodes
-    to the same bytes when that field holds the pre-encoded value."""
-    fields = []
-    for f in msgspec.structs.fields(cls):
-        type_ = msgspec.Raw if f.name == raw_field else f.type
-        fields.append((f.name, type_) if f.default is msgspec.NODEFAULT else (f.name, type_, f.default))
-    return msgspec.defstruct(cls.__name__, fields, kw_only=True, tag=tag)
-
-
-_CallRecordWire = _raw_twin(CallRecord, "prompt_ids", "call")
-_ExchangeRecordWire = _raw_twin(ExchangeRecord, "messages", "exchange")
-
-
-def _encode_with_raw(twin: type, record: Record, field: str, raw: msgspec.Raw) -> bytes:
-    fields = {f: getattr(record, f) for f in record.__struct_fields__}
-    fields[field] = raw
-    return _frame(_encoder.encode(twin(**fields)))
+# CallRecord with prompt_ids pre-encoded: same name, tag, fields and order, so the same bytes.
+_CallRecordWire = msgspec.defstruct("CallRecord", list(_wire_fields()), kw_only=True, tag="call")
 
 
 def encode_call_frame(record: CallRecord, prompt_body: bytes) -> bytes:
     """`encode_frame(record)`, given `ids_body(record.prompt_ids)` (usually grown call by call)."""
-    return _encode_with_raw(_CallRecordWire, record, "prompt_ids", _array(len(record.prompt_ids), prompt_body))
-
-
-def encode_exchange_frame(record: ExchangeRecord, messages_body: bytes) -> bytes:
-    """`encode_frame(record)`, given `record.messages`' element bytes (`MessagesBody.body`)."""
-    return _encode_with_raw(_ExchangeRecordWire, record, "messages", _array(len(record.messages), messages_body))
+    fields = {f: getattr(record, f) for f in record.__struct_fields__}
+    fields["prompt_ids"] = _array(len(record.prompt_ids), prompt_body)
+    return _frame(_encoder.encode(_CallRecordWire(**fields)))
 
 
 class RecordLog:
@@ -260,7 +235,27 @@ class LogContents(msgspec.Struct, frozen=True):
 
     @property
     def exchanges(self) -> list[ExchangeRecord]:
-        return [r for r in self.records if isinstance(r, ExchangeRecord)]
+        """Every exchange with its whole request (see ExchangeRecord), in log order."""
+        return whole_exchanges(r for r in self.records if isinstance(r, ExchangeRecord))[0]
+
+
+def whole_exchanges(records: Iterable[ExchangeRecord]) -> tuple[list[ExchangeRecord], int]:
+    """(exchanges with their whole `messages`, how many could not be completed because the
+    record holding their prefix is missing), from exchanges in log order."""
+    whole: dict[tuple[str, int], list[Message]] = {}
+    out, missing = [], 0
+    for r in records:
+        messages = r.messages
+        if r.prefix_call >= 0:
+            prefix = whole.get((r.session_id, r.prefix_call))
+            if prefix is None or len(prefix) < r.n_prefix:
+                missing += 1
+                continue
+            messages = prefix[: r.n_prefix] + r.messages
+            r = msgspec.structs.replace(r, messages=messages, prefix_call=-1, n_prefix=0)
+        whole[(r.session_id, r.call_index)] = messages
+        out.append(r)
+    return out, missing
 
 
 def iter_frames(data: bytes) -> Iterator[tuple[int, Record]]:

@@ -18,17 +18,16 @@ from polar_fast.dialects import Message
 from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
-    MessagesBody,
     Outcome,
     RecordLog,
     RolloutRecord,
     Timings,
     encode_call_frame,
-    encode_exchange_frame,
     encode_frame,
     ids_body,
     iter_frames,
     read_log,
+    whole_exchanges,
 )
 
 
@@ -79,23 +78,38 @@ _texts = st.sampled_from(["", "ls", "done", "x" * 40])
 _message = st.builds(Message, role=st.sampled_from(["system", "user", "assistant", "tool"]), content=_texts)
 
 
+def _exchange(call_index: int, messages: list, prefix_call: int = -1, n_prefix: int = 0) -> ExchangeRecord:
+    return ExchangeRecord(session_id="s", rollout_id="r", group_id="g", call_index=call_index, model="m", dialect="chat",
+                          messages=messages, reply=Message(role="assistant", content="ok"),
+                          prefix_call=prefix_call, n_prefix=n_prefix)
+
+
 @settings(max_examples=200, deadline=None)
-@given(start=st.lists(_message, max_size=20), edits=st.lists(st.tuples(st.integers(0, 25), st.lists(_message, max_size=4)), max_size=6))
-def test_exchange_frames_from_cached_message_bytes_equal_fresh_encodings(start, edits):
+@given(start=st.lists(_message, max_size=20), edits=st.lists(st.tuples(st.integers(0, 25), st.lists(_message, max_size=4)), max_size=6),
+       lost=st.integers(-1, 6))
+def test_exchange_deltas_read_back_whole(tmp_path_factory, start, edits, lost):
     # A session's conversations: each call keeps a prefix of the last one (cut at `keep`:
-    # growth, compaction, edits) and appends new turns. Every frame must equal a fresh encoding.
-    cache, messages = MessagesBody(), start
-    for call_index, (keep, new) in enumerate([(len(start), [])] + edits):
-        messages = messages[:keep] + new
-        record = ExchangeRecord(session_id="s", rollout_id="r", group_id="g", call_index=call_index, model="m",
-                                dialect="chat", messages=messages, reply=Message(role="assistant", content="ok"))
-        assert encode_exchange_frame(record, cache.body(messages)) == encode_frame(record)
-
-
-@settings(max_examples=500, deadline=None)
-@given(data=st.binary(max_size=5000) | st.builds(lambda n, b: b * n, st.integers(0, 300), st.binary(min_size=1, max_size=700)))
-def test_rust_crc32_equals_zlib(data):
-    assert crc32(data) == zlib.crc32(data)
+    # growth, compaction, edits) and appends new turns, stored as a delta against the call
+    # before. Read back, every exchange is whole again; one call's record lost (`lost`) loses
+    # exactly the ones that cannot be completed without it, never completes one wrongly.
+    path = tmp_path_factory.mktemp("log") / "records.log"
+    wanted, previous = [], []
+    with RecordLog(path) as log:
+        for call_index, (keep, new) in enumerate([(len(start), [])] + edits):
+            messages = (previous or start)[:keep] + new if call_index else start
+            n = next((i for i, (a, b) in enumerate(zip(messages, previous)) if a != b), min(len(messages), len(previous)))
+            delta = _exchange(call_index, messages[n:], call_index - 1, n) if n else _exchange(call_index, messages)
+            wanted.append(_exchange(call_index, messages))
+            if call_index != lost:
+                log.append(delta)
+            previous = messages
+    contents = read_log(path)
+    got = {e.call_index: e for e in contents.exchanges}
+    assert all(got[i] == wanted[i] for i in got)  # whole, and right
+    _, missing = whole_exchanges(r for r in contents.records if isinstance(r, ExchangeRecord))
+    assert len(got) + missing + (0 <= lost < len(wanted)) == len(wanted)
+    if lost < 0:
+        assert missing == 0
 
 
 def test_mismatched_logprobs_are_rejected():
