@@ -53,7 +53,7 @@ from polar_fast.records import (
     Timings,
     decode_frame,
     encode_call_frame,
-    ids_body,
+    encode_ids,
 )
 from polar_fast.recorder import Recorder
 
@@ -314,7 +314,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     conv = dialect.parse(await _body(request))
     if state.cfg.engine.render == "engine":
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
-        prompt_body = ids_body(prompt_ids)
+        encoded_prompt = encode_ids(prompt_ids)
         t1 = t2 = time.perf_counter()
     else:
         prompt = await _prompt(state, session.history, conv)
@@ -333,7 +333,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
             completion_tokens=len(gen.token_ids),
         )
         session.history.remember(prompt, gen.token_ids, completion.as_message())
-        prompt_ids, history, prompt_body = prompt.ids, prompt.history, prompt.body
+        prompt_ids, history, encoded_prompt = prompt.ids, prompt.history, prompt.encoded
     record = CallRecord(
         session_id=session.session_id,
         rollout_id=session.rollout_id,
@@ -352,7 +352,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     exchange = _exchange(state, session, record.call_index, conv, completion, dialect)
     # Both in one batch of the writer (the exchange feeds SFT export); the call record's prompt
     # ids go out as bytes grown call by call: only the new suffix gets encoded.
-    call_frame = encode_call_frame(record, prompt_body)
+    call_frame = encode_call_frame(record, encoded_prompt)
     session.call_frames.append(call_frame)
     await state.recorder.put(call_frame, exchange)
     session.last_exchange = (record.call_index, conv.messages)

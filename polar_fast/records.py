@@ -21,7 +21,7 @@ import enum
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import msgspec
 
@@ -139,27 +139,32 @@ def decode_frame(frame: bytes) -> Record:
 # A session's prompts grow by a suffix per call. Re-encoding ~1e4-1e5 ids per call costs more
 # than everything else the proxy does for it. msgpack encodes each array element on its own, so
 # the element bytes of `a + b` are those of `a` followed by those of `b`: the proxy keeps each
-# session's element bytes, extends them per call and writes the record with them as a
-# pre-encoded field. The bytes on disk are identical to `encode_frame`'s.
+# prompt's encoding, extends it per call (a new array header, then the old and new elements) and
+# writes the record with it as a pre-encoded field. The bytes on disk are `encode_frame`'s.
 
 
-def ids_body(ids: list[int]) -> bytes:
-    """msgpack bytes of `ids`' elements, without the array header."""
-    return _encoder.encode(ids)[_array_header_size(len(ids)) :]
+def encode_ids(ids: Sequence[int]) -> bytes:
+    """msgpack bytes of an id list (`ids` a list or tuple; arrays would encode as binary)."""
+    return _encoder.encode(ids)
+
+
+def extend_encoded_ids(encoded: bytes, n_old: int, more: list[int]) -> bytes:
+    """`encode_ids(old + more)` from `encoded = encode_ids(old)` and n_old = len(old): only
+    `more` is encoded, and `encoded` is copied once."""
+    tail = memoryview(_encoder.encode(more))[_array_header_size(len(more)) :]
+    return b"".join((_array_header(n_old + len(more)), memoryview(encoded)[_array_header_size(n_old) :], tail))
 
 
 def _array_header_size(n: int) -> int:
     return 1 if n < 16 else 3 if n < 1 << 16 else 5  # fixarray | array16 | array32
 
 
-def _array(n: int, body: bytes) -> msgspec.Raw:
+def _array_header(n: int) -> bytes:
     if n < 16:
-        head = bytes([0x90 | n])
-    elif n < 1 << 16:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    return msgspec.Raw(head + body)
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def _wire_fields():
@@ -172,10 +177,11 @@ def _wire_fields():
 _CallRecordWire = msgspec.defstruct("CallRecord", list(_wire_fields()), kw_only=True, tag="call")
 
 
-def encode_call_frame(record: CallRecord, prompt_body: bytes) -> bytes:
-    """`encode_frame(record)`, given `ids_body(record.prompt_ids)` (usually grown call by call)."""
+def encode_call_frame(record: CallRecord, encoded_prompt_ids: bytes) -> bytes:
+    """`encode_frame(record)`, given `encode_ids(record.prompt_ids)` (usually grown call by
+    call with `extend_encoded_ids`)."""
     fields = {f: getattr(record, f) for f in record.__struct_fields__}
-    fields["prompt_ids"] = _array(len(record.prompt_ids), prompt_body)
+    fields["prompt_ids"] = msgspec.Raw(encoded_prompt_ids)
     return _frame(_encoder.encode(_CallRecordWire(**fields)))
 
 

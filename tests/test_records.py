@@ -24,7 +24,8 @@ from polar_fast.records import (
     Timings,
     encode_call_frame,
     encode_frame,
-    ids_body,
+    encode_ids,
+    extend_encoded_ids,
     iter_frames,
     read_log,
     whole_exchanges,
@@ -62,13 +63,16 @@ _ids = st.lists(st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 -
 @settings(max_examples=300, deadline=None)
 @given(parts=st.lists(_ids, max_size=5), pad=st.sampled_from([0, 15, 16, 65535 - 8, 65536]))
 def test_call_frame_from_grown_id_bytes_equals_a_fresh_encoding(parts, pad):
-    # The proxy writes a call record from prompt-id bytes extended call by call (ids_body of
-    # each piece, concatenated): the frame must be byte-identical to encoding the record whole.
+    # The proxy writes a call record from prompt-id bytes extended call by call (across the
+    # array header's size boundaries): the frame must be byte-identical to encoding it whole.
     parts = parts + [[5] * pad]
-    prompt = [i for p in parts for i in p]
+    encoded, prompt = encode_ids([]), []
+    for part in parts:
+        encoded = extend_encoded_ids(encoded, len(prompt), part)
+        prompt = prompt + part
+        assert encoded == encode_ids(prompt)
     record = msgspec.structs.replace(make_call(0), prompt_ids=prompt)
-    body = b"".join(ids_body(p) for p in parts)
-    frame = encode_call_frame(record, body)
+    frame = encode_call_frame(record, encoded)
     assert frame == encode_frame(record)
     (end, decoded), = iter_frames(frame)
     assert decoded == record and end == len(frame)

@@ -42,7 +42,7 @@ import msgspec
 
 from polar_fast.chat.render import Renderer
 from polar_fast.dialects import Message, Tool
-from polar_fast.records import ids_body
+from polar_fast.records import encode_ids, extend_encoded_ids
 
 _Key = tuple
 
@@ -68,7 +68,7 @@ class Prompt(msgspec.Struct, frozen=True):
     history: str  # "exact", or "render:<cause>"
     keys: tuple  # message keys of the request
     tools: bytes
-    body: bytes  # records.ids_body(ids), grown call by call like the ids
+    encoded: bytes  # records.encode_ids(ids), grown call by call like the ids
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -78,7 +78,7 @@ class Plan(msgspec.Struct, frozen=True):
 
     base: array  # a matched call's prompt ids
     added: array  # + its sampled ids (+ end-of-turn)
-    base_body: bytes  # records.ids_body(base + added)
+    base_encoded: bytes  # records.encode_ids(base + added)
     text: str
     whole: bool
     history: str
@@ -91,7 +91,7 @@ class _Call(msgspec.Struct):
     tools: bytes
     prompt_ids: array
     added: array  # sampled ids (+ the end-of-turn id when sampling did not close)
-    base_body: bytes  # records.ids_body(prompt_ids + added)
+    base_encoded: bytes  # records.encode_ids(prompt_ids + added)
 
 
 _NO_IDS = array("i")
@@ -117,11 +117,12 @@ class History:
         """The prompt ids of `plan` (made by `plan(messages, tools)`). Touches no session state."""
         if plan.whole:
             ids = self.renderer.render(messages, tools)
-            return Prompt(array("i", ids), plan.history, plan.keys, plan.tools, ids_body(ids))
+            return Prompt(array("i", ids), plan.history, plan.keys, plan.tools, encode_ids(ids))
         suffix = self.renderer.encode(plan.text)
-        ids = plan.base + plan.added
-        ids.extend(suffix)
-        return Prompt(ids, plan.history, plan.keys, plan.tools, plan.base_body + ids_body(suffix))
+        tail = plan.added + array("i", suffix)
+        ids = plan.base + tail  # the one copy of the long part
+        encoded = extend_encoded_ids(plan.base_encoded, len(plan.base) + len(plan.added), suffix)
+        return Prompt(ids, plan.history, plan.keys, plan.tools, encoded)
 
     def plan(self, messages: list[Message], tools: list[Tool]) -> Plan:
         keys, tkey = self._keys(messages, tools)
@@ -130,7 +131,7 @@ class History:
             suffix = self._suffix(messages, tools, len(call.keys))
             if suffix is not None:
                 self.causes["exact"] += 1
-                return Plan(call.prompt_ids, call.added, call.base_body, suffix, False, "exact", keys, tkey)
+                return Plan(call.prompt_ids, call.added, call.base_encoded, suffix, False, "exact", keys, tkey)
             label = "render:template_mismatch"
         elif self.mode == "template":
             label = "render:template"
@@ -184,7 +185,8 @@ class History:
         closed = bool(completion_ids) and completion_ids[-1] in self.renderer.stop_ids
         added = completion_ids if closed else [*completion_ids, self.renderer.eot_id]
         keys = prompt.keys + (message_key(reply),)
-        self._calls.append(_Call(keys, prompt.tools, prompt.ids, array("i", added), prompt.body + ids_body(added)))
+        encoded = extend_encoded_ids(prompt.encoded, len(prompt.ids), added)
+        self._calls.append(_Call(keys, prompt.tools, prompt.ids, array("i", added), encoded))
         if len(self._calls) > self.max_calls:
             del self._calls[0]
 
