@@ -34,6 +34,10 @@ def merge(calls: Sequence[CallRecord] | bytes, *, layout: Layout = "tree") -> Me
     if isinstance(calls, (bytes, bytearray, memoryview)):
         payload = bytes(calls)
     elif all(isinstance(c, CallRecord) for c in calls):
+        delta = next((c for c in calls if c.prefix_call >= 0), None)
+        if delta is not None:  # its prompt_ids are only the tail: merging it would be wrong
+            raise MergeError(f"call {delta.session_id}#{delta.call_index} holds a prompt delta; read calls "
+                             "through LogContents.calls or Session.records(), which complete them")
         payload = _calls_encoder.encode(list(calls))
     else:
         payload = None

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import msgspec
 from aiohttp import web
@@ -52,8 +52,8 @@ from polar_fast.records import (
     RecordLog,
     Timings,
     decode_frame,
-    encode_call_frame,
-    encode_ids,
+    encode_frame,
+    whole_calls,
 )
 from polar_fast.recorder import Recorder
 
@@ -79,7 +79,8 @@ class Session:
     engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
 
     def records(self) -> list[CallRecord]:
-        return [decode_frame(f) for f in self.call_frames]  # type: ignore[misc]
+        """Its call records, each with its whole prompt."""
+        return whole_calls(decode_frame(f) for f in self.call_frames)[0]  # type: ignore[misc]
 
 
 class _NewSession(msgspec.Struct):
@@ -281,7 +282,7 @@ async def _prompt(state: ProxyState, history: History, conv: Conversation) -> Pr
     return history.finish(plan, conv.messages, conv.tools)
 
 
-async def _generate(state: ProxyState, session: Session, prompt_ids: list[int], sampling: Sampling):
+async def _generate(state: ProxyState, session: Session, prompt_ids: Sequence[int], sampling: Sampling):
     try:
         return await _engine_generate(state, session, prompt_ids, sampling)
     except EngineError:
@@ -289,7 +290,7 @@ async def _generate(state: ProxyState, session: Session, prompt_ids: list[int], 
         raise
 
 
-async def _engine_generate(state: ProxyState, session: Session, prompt_ids: list[int], sampling: Sampling):
+async def _engine_generate(state: ProxyState, session: Session, prompt_ids: Sequence[int], sampling: Sampling):
     version = state.engine.policy_version
     try:
         async with asyncio.timeout(state.cfg.engine.timeout_s):
@@ -314,7 +315,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     conv = dialect.parse(await _body(request))
     if state.cfg.engine.render == "engine":
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
-        encoded_prompt = encode_ids(prompt_ids)
+        extends_call, n_extended = -1, 0
         t1 = t2 = time.perf_counter()
     else:
         prompt = await _prompt(state, session.history, conv)
@@ -332,14 +333,15 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
             prompt_tokens=len(prompt.ids),
             completion_tokens=len(gen.token_ids),
         )
-        session.history.remember(prompt, gen.token_ids, completion.as_message())
-        prompt_ids, history, encoded_prompt = prompt.ids, prompt.history, prompt.encoded
+        session.history.remember(prompt, gen.token_ids, completion.as_message(), call_index=session.n_calls)
+        prompt_ids, history = prompt.ids, prompt.history
+        extends_call, n_extended = prompt.extends_call, prompt.n_extended
     record = CallRecord(
         session_id=session.session_id,
         rollout_id=session.rollout_id,
         group_id=session.group_id,
         call_index=session.n_calls,
-        prompt_ids=prompt_ids,
+        prompt_ids=list(prompt_ids[n_extended:]),  # only the new ids: see CallRecord
         completion_ids=gen.token_ids,
         completion_logprobs=gen.logprobs,
         policy_version=version,
@@ -347,12 +349,13 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         dialect=dialect.NAME,
         timings=Timings(started_at=started_at, render_s=t1 - t0, engine_s=t2 - t1, total_s=time.perf_counter() - t0),
         history=history,
+        prefix_call=extends_call,
+        n_prefix=n_extended,
     )
     session.n_calls += 1
     exchange = _exchange(state, session, record.call_index, conv, completion, dialect)
-    # Both in one batch of the writer (the exchange feeds SFT export); the call record's prompt
-    # ids go out as bytes grown call by call: only the new suffix gets encoded.
-    call_frame = encode_call_frame(record, encoded_prompt)
+    # Both in one batch of the writer (the exchange feeds SFT export).
+    call_frame = encode_frame(record)
     session.call_frames.append(call_frame)
     await state.recorder.put(call_frame, exchange)
     session.last_exchange = (record.call_index, conv.messages)

@@ -21,7 +21,7 @@ import enum
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 import msgspec
 
@@ -51,7 +51,15 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
-    """One captured model call. `prompt_ids + completion_ids` is exactly what the engine saw."""
+    """One captured model call. `prompt_ids + completion_ids` is exactly what the engine saw.
+
+    On disk an exact-history call stores only its new prompt ids: its first `n_prefix` prompt
+    ids are the prompt + completion ids of this session's call `prefix_call` (the call it
+    extends) and `prompt_ids` holds the rest. Whole prompts would grow the log, and the proxy's
+    memory, quadratically with session length. `LogContents.calls` and the proxy's session
+    records give every call whole; one whose prefix record is missing (a torn log) is left out
+    and counted there, never completed wrongly. `prefix_call == -1`: `prompt_ids` is whole, as
+    the merge and the learner require."""
 
     session_id: str
     rollout_id: str
@@ -65,6 +73,8 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
     dialect: str  # "chat" | "responses" | "anthropic"
     timings: Timings = Timings()
     history: str = "exact"  # how the prompt was formed: "exact" reuse, or "render" + cause
+    prefix_call: int = -1
+    n_prefix: int = 0
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.completion_logprobs):
@@ -135,56 +145,6 @@ def decode_frame(frame: bytes) -> Record:
     return _decoder.decode(memoryview(frame)[_HEADER.size :])
 
 
-# ----------------------------------------------------------------------------- growing prompts
-# A session's prompts grow by a suffix per call. Re-encoding ~1e4-1e5 ids per call costs more
-# than everything else the proxy does for it. msgpack encodes each array element on its own, so
-# the element bytes of `a + b` are those of `a` followed by those of `b`: the proxy keeps each
-# prompt's encoding, extends it per call (a new array header, then the old and new elements) and
-# writes the record with it as a pre-encoded field. The bytes on disk are `encode_frame`'s.
-
-
-def encode_ids(ids: Sequence[int]) -> bytes:
-    """msgpack bytes of an id list (`ids` a list or tuple; arrays would encode as binary)."""
-    return _encoder.encode(ids)
-
-
-def extend_encoded_ids(encoded: bytes, n_old: int, more: list[int]) -> bytes:
-    """`encode_ids(old + more)` from `encoded = encode_ids(old)` and n_old = len(old): only
-    `more` is encoded, and `encoded` is copied once."""
-    tail = memoryview(_encoder.encode(more))[_array_header_size(len(more)) :]
-    return b"".join((_array_header(n_old + len(more)), memoryview(encoded)[_array_header_size(n_old) :], tail))
-
-
-def _array_header_size(n: int) -> int:
-    return 1 if n < 16 else 3 if n < 1 << 16 else 5  # fixarray | array16 | array32
-
-
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes([0x90 | n])
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
-def _wire_fields():
-    for f in msgspec.structs.fields(CallRecord):
-        type_ = msgspec.Raw if f.name == "prompt_ids" else f.type
-        yield (f.name, type_) if f.default is msgspec.NODEFAULT else (f.name, type_, f.default)
-
-
-# CallRecord with prompt_ids pre-encoded: same name, tag, fields and order, so the same bytes.
-_CallRecordWire = msgspec.defstruct("CallRecord", list(_wire_fields()), kw_only=True, tag="call")
-
-
-def encode_call_frame(record: CallRecord, encoded_prompt_ids: bytes) -> bytes:
-    """`encode_frame(record)`, given `encode_ids(record.prompt_ids)` (usually grown call by
-    call with `extend_encoded_ids`)."""
-    fields = {f: getattr(record, f) for f in record.__struct_fields__}
-    fields["prompt_ids"] = msgspec.Raw(encoded_prompt_ids)
-    return _frame(_encoder.encode(_CallRecordWire(**fields)))
-
-
 class RecordLog:
     """Append-only record file. One `os.write` per frame, so concurrent appenders never interleave
     bytes within a frame (O_APPEND). `fsync=True` makes each append durable before it returns.
@@ -205,7 +165,7 @@ class RecordLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: Record | bytes) -> None:
-        """Append a record, or a frame already made by `encode_frame` / `encode_call_frame`."""
+        """Append a record, or a frame already made by `encode_frame`."""
         frame = record if isinstance(record, bytes) else encode_frame(record)
         written = os.write(self._fd, frame)
         if written != len(frame):  # a regular file only short-writes when the disk is full
@@ -233,7 +193,8 @@ class LogContents(msgspec.Struct, frozen=True):
 
     @property
     def calls(self) -> list[CallRecord]:
-        return [r for r in self.records if isinstance(r, CallRecord)]
+        """Every call with its whole prompt (see CallRecord), in log order."""
+        return whole_calls(r for r in self.records if isinstance(r, CallRecord))[0]
 
     @property
     def rollouts(self) -> list[RolloutRecord]:
@@ -245,21 +206,41 @@ class LogContents(msgspec.Struct, frozen=True):
         return whole_exchanges(r for r in self.records if isinstance(r, ExchangeRecord))[0]
 
 
+def whole_calls(records: Iterable[CallRecord]) -> tuple[list[CallRecord], int]:
+    """(calls with their whole `prompt_ids`, how many could not be completed because the record
+    they extend is missing), from call records in log order."""
+
+    def complete(r: CallRecord, base: CallRecord) -> CallRecord:
+        n_prompt = len(base.prompt_ids)
+        prefix = base.prompt_ids[: r.n_prefix] if r.n_prefix <= n_prompt else (
+            base.prompt_ids + base.completion_ids[: r.n_prefix - n_prompt])
+        return msgspec.structs.replace(r, prompt_ids=prefix + r.prompt_ids, prefix_call=-1, n_prefix=0)
+
+    return _whole(records, lambda r: len(r.prompt_ids) + len(r.completion_ids), complete)
+
+
 def whole_exchanges(records: Iterable[ExchangeRecord]) -> tuple[list[ExchangeRecord], int]:
     """(exchanges with their whole `messages`, how many could not be completed because the
-    record holding their prefix is missing), from exchanges in log order."""
-    whole: dict[tuple[str, int], list[Message]] = {}
+    record holding their prefix is missing), from exchange records in log order."""
+
+    def complete(r: ExchangeRecord, base: ExchangeRecord) -> ExchangeRecord:
+        return msgspec.structs.replace(r, messages=base.messages[: r.n_prefix] + r.messages, prefix_call=-1, n_prefix=0)
+
+    return _whole(records, lambda r: len(r.messages), complete)
+
+
+def _whole(records, length, complete):
+    """Complete delta records (see CallRecord / ExchangeRecord) from the whole ones before them."""
+    whole: dict[tuple[str, int], Any] = {}
     out, missing = [], 0
     for r in records:
-        messages = r.messages
         if r.prefix_call >= 0:
-            prefix = whole.get((r.session_id, r.prefix_call))
-            if prefix is None or len(prefix) < r.n_prefix:
+            base = whole.get((r.session_id, r.prefix_call))
+            if base is None or length(base) < r.n_prefix:
                 missing += 1
                 continue
-            messages = prefix[: r.n_prefix] + r.messages
-            r = msgspec.structs.replace(r, messages=messages, prefix_call=-1, n_prefix=0)
-        whole[(r.session_id, r.call_index)] = messages
+            r = complete(r, base)
+        whole[(r.session_id, r.call_index)] = r
         out.append(r)
     return out, missing
 

@@ -265,3 +265,15 @@ async def test_merge_releases_the_gil_and_leaves_the_loop_running():
     merged = await task
     assert merged.stats.n_calls == len(calls)
     assert ticks > 1
+
+
+def test_a_call_holding_a_prompt_delta_is_refused():
+    # On disk an exact-history call stores only its new prompt ids; merging that tail as if it
+    # were the whole prompt would train on the wrong context.
+    whole = CallRecord(session_id="s", rollout_id="r", group_id="g", call_index=0, prompt_ids=[1, 2, 3],
+                       completion_ids=[4], completion_logprobs=[-0.1], policy_version=0, finish_reason="stop",
+                       dialect="chat")
+    delta = msgspec.structs.replace(whole, call_index=1, prompt_ids=[5], prefix_call=0, n_prefix=4)
+    rust.merge([whole])  # fine
+    with pytest.raises(MergeError, match="prompt delta"):
+        rust.merge([whole, delta])

@@ -22,12 +22,9 @@ from polar_fast.records import (
     RecordLog,
     RolloutRecord,
     Timings,
-    encode_call_frame,
     encode_frame,
-    encode_ids,
-    extend_encoded_ids,
-    iter_frames,
     read_log,
+    whole_calls,
     whole_exchanges,
 )
 
@@ -60,22 +57,35 @@ def test_round_trip_of_both_record_kinds(tmp_path):
 _ids = st.lists(st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]) | st.integers(0, 2**32 - 1))
 
 
-@settings(max_examples=300, deadline=None)
-@given(parts=st.lists(_ids, max_size=5), pad=st.sampled_from([0, 15, 16, 65535 - 8, 65536]))
-def test_call_frame_from_grown_id_bytes_equals_a_fresh_encoding(parts, pad):
-    # The proxy writes a call record from prompt-id bytes extended call by call (across the
-    # array header's size boundaries): the frame must be byte-identical to encoding it whole.
-    parts = parts + [[5] * pad]
-    encoded, prompt = encode_ids([]), []
-    for part in parts:
-        encoded = extend_encoded_ids(encoded, len(prompt), part)
-        prompt = prompt + part
-        assert encoded == encode_ids(prompt)
-    record = msgspec.structs.replace(make_call(0), prompt_ids=prompt)
-    frame = encode_call_frame(record, encoded)
-    assert frame == encode_frame(record)
-    (end, decoded), = iter_frames(frame)
-    assert decoded == record and end == len(frame)
+@settings(max_examples=200, deadline=None)
+@given(turns=st.lists(st.tuples(_ids, _ids, st.booleans()), min_size=1, max_size=6), lost=st.integers(-1, 6))
+def test_call_deltas_read_back_whole(tmp_path_factory, turns, lost):
+    # A session's calls as the proxy stores them: each prompt extends the previous call's
+    # prompt + completion (cut anywhere inside them, `cut`) by new ids, and the record holds only
+    # those. Read back, every call is whole again; with one record lost, exactly the calls that
+    # depend on it are left out and counted, never completed wrongly.
+    path = tmp_path_factory.mktemp("log") / "records.log"
+    wanted, previous = [], None
+    with RecordLog(path) as log:
+        for i, (new, completion, cut) in enumerate(turns):
+            n_prefix = 0
+            if previous is not None:
+                joined = previous.prompt_ids + previous.completion_ids
+                n_prefix = len(joined) if cut else len(joined) // 2
+            prompt = (previous.prompt_ids + previous.completion_ids)[:n_prefix] + new if previous else new
+            whole = msgspec.structs.replace(make_call(i), prompt_ids=prompt, completion_ids=completion,
+                                            completion_logprobs=[-0.5] * len(completion))
+            wanted.append(whole)
+            if i != lost:
+                log.append(msgspec.structs.replace(whole, prompt_ids=new, prefix_call=i - 1 if previous else -1,
+                                                   n_prefix=n_prefix))
+            previous = whole
+    contents = read_log(path)
+    got = {c.call_index: c for c in contents.calls}
+    assert all(got[i] == wanted[i] for i in got)
+    _, missing = whole_calls(r for r in contents.records if isinstance(r, CallRecord))
+    assert len(got) + missing + (0 <= lost < len(turns)) == len(turns)
+    assert missing == (len(turns) - lost - 1 if 0 <= lost < len(turns) else 0)
 
 
 _texts = st.sampled_from(["", "ls", "done", "x" * 40])

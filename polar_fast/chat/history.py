@@ -24,7 +24,8 @@ system prompt into the last user turn) falls back to whole renders for that sess
 
 Costs per exact call stay flat as a session grows: messages unchanged since the previous request
 are recognised by struct equality and reuse their keys, so matching is pointer comparisons;
-prompt ids are joined with one copy, and so are their msgpack bytes for the call record. Ids are
+prompt ids are joined with one copy, and the call record stores only the new ids (see
+records.CallRecord: `Prompt.extends_call`, `n_extended`). Ids are
 `array("i")`: a list or tuple of 1e4-1e5 ids is walked element by element by every garbage
 collection that finds it alive, which cost more than everything else here together.
 No match (compaction, injected reminders, edited history) → render from scratch; the label says
@@ -42,7 +43,6 @@ import msgspec
 
 from polar_fast.chat.render import Renderer
 from polar_fast.dialects import Message, Tool
-from polar_fast.records import encode_ids, extend_encoded_ids
 
 _Key = tuple
 
@@ -68,7 +68,10 @@ class Prompt(msgspec.Struct, frozen=True):
     history: str  # "exact", or "render:<cause>"
     keys: tuple  # message keys of the request
     tools: bytes
-    encoded: bytes  # records.encode_ids(ids), grown call by call like the ids
+    # exact history: its first `n_extended` ids are the prompt + sampled ids of the remembered
+    # call `extends_call` (-1: none, or that call was remembered without an index)
+    extends_call: int = -1
+    n_extended: int = 0
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -78,7 +81,8 @@ class Plan(msgspec.Struct, frozen=True):
 
     base: array  # a matched call's prompt ids
     added: array  # + its sampled ids (+ end-of-turn)
-    base_encoded: bytes  # records.encode_ids(base + added)
+    extends_call: int  # that call's index
+    n_extended: int  # len(its prompt + sampled ids)
     text: str
     whole: bool
     history: str
@@ -91,7 +95,8 @@ class _Call(msgspec.Struct):
     tools: bytes
     prompt_ids: array
     added: array  # sampled ids (+ the end-of-turn id when sampling did not close)
-    base_encoded: bytes  # records.encode_ids(prompt_ids + added)
+    call_index: int
+    n_sampled_end: int  # len(prompt ids + sampled ids)
 
 
 _NO_IDS = array("i")
@@ -116,13 +121,10 @@ class History:
     def finish(self, plan: Plan, messages: list[Message], tools: list[Tool]) -> Prompt:
         """The prompt ids of `plan` (made by `plan(messages, tools)`). Touches no session state."""
         if plan.whole:
-            ids = self.renderer.render(messages, tools)
-            return Prompt(array("i", ids), plan.history, plan.keys, plan.tools, encode_ids(ids))
-        suffix = self.renderer.encode(plan.text)
-        tail = plan.added + array("i", suffix)
+            return Prompt(array("i", self.renderer.render(messages, tools)), plan.history, plan.keys, plan.tools)
+        tail = plan.added + array("i", self.renderer.encode(plan.text))
         ids = plan.base + tail  # the one copy of the long part
-        encoded = extend_encoded_ids(plan.base_encoded, len(plan.base) + len(plan.added), suffix)
-        return Prompt(ids, plan.history, plan.keys, plan.tools, encoded)
+        return Prompt(ids, plan.history, plan.keys, plan.tools, plan.extends_call, plan.n_extended)
 
     def plan(self, messages: list[Message], tools: list[Tool]) -> Plan:
         keys, tkey = self._keys(messages, tools)
@@ -131,14 +133,14 @@ class History:
             suffix = self._suffix(messages, tools, len(call.keys))
             if suffix is not None:
                 self.causes["exact"] += 1
-                return Plan(call.prompt_ids, call.added, call.base_encoded, suffix, False, "exact", keys, tkey)
+                return Plan(call.prompt_ids, call.added, call.call_index, call.n_sampled_end, suffix, False, "exact", keys, tkey)
             label = "render:template_mismatch"
         elif self.mode == "template":
             label = "render:template"
         else:
             label = "render:no_match" if self._calls else "render:first_call"
         self.causes[label] += 1
-        return Plan(_NO_IDS, _NO_IDS, b"", "", True, label, keys, tkey)
+        return Plan(_NO_IDS, _NO_IDS, -1, 0, "", True, label, keys, tkey)
 
     def _keys(self, messages: list[Message], tools: list[Tool]) -> tuple[tuple, bytes]:
         """Message keys and tools key, reusing the previous request's for unchanged messages
@@ -179,14 +181,16 @@ class History:
             return whole
         return r.text_after(messages, tools, n_matched)
 
-    def remember(self, prompt: Prompt, completion_ids: list[int], reply: Message) -> None:
+    def remember(self, prompt: Prompt, completion_ids: list[int], reply: Message, *, call_index: int = -1) -> None:
+        """Keep an answered call for later matches; `call_index` (the session's) is what later
+        prompts name as the call they extend."""
         if self.mode == "template":
             return
         closed = bool(completion_ids) and completion_ids[-1] in self.renderer.stop_ids
         added = completion_ids if closed else [*completion_ids, self.renderer.eot_id]
         keys = prompt.keys + (message_key(reply),)
-        encoded = extend_encoded_ids(prompt.encoded, len(prompt.ids), added)
-        self._calls.append(_Call(keys, prompt.tools, prompt.ids, array("i", added), encoded))
+        n_sampled_end = len(prompt.ids) + len(completion_ids)
+        self._calls.append(_Call(keys, prompt.tools, prompt.ids, array("i", added), call_index, n_sampled_end))
         if len(self._calls) > self.max_calls:
             del self._calls[0]
 
