@@ -45,7 +45,7 @@ import numpy as np
 
 from polar_fast.dialects import Message, Tool
 from polar_fast.errors import PolarError
-from polar_fast.records import CallRecord, ExchangeRecord, Outcome, RolloutRecord, read_log, whole_exchanges
+from polar_fast.records import CallRecord, ExchangeRecord, Outcome, RolloutRecord, read_log, whole_calls, whole_exchanges
 
 CHAT_FILES = ("chat.jsonl", "chat.parquet")
 TOKEN_FILES = ("tokens.jsonl", "tokens.parquet")
@@ -75,10 +75,11 @@ def export_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     kept = _kept_rollouts(contents.rollouts, min_reward)
     calls: dict[str, list[CallRecord]] = defaultdict(list)
     exchanges: dict[str, list[ExchangeRecord]] = defaultdict(list)
-    for call in contents.calls:
+    # calls and exchanges whole again (the log stores deltas)
+    whole_calls_, incomplete_calls = whole_calls(r for r in contents.records if isinstance(r, CallRecord))
+    for call in whole_calls_:
         if call.rollout_id in kept:
             calls[call.rollout_id].append(call)
-    # each with its whole conversation (the log stores deltas)
     whole, incomplete = whole_exchanges(r for r in contents.records if isinstance(r, ExchangeRecord))
     for exchange in whole:
         if exchange.rollout_id in kept:
@@ -96,7 +97,7 @@ def export_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     out.mkdir(parents=True, exist_ok=True)
     _write(out, "chat", chat_rows.rows, _chat_schema())
     _write(out, "tokens", token_rows.rows, _token_schema())
-    return _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete)
+    return _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete, incomplete_calls)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -310,7 +311,7 @@ def _write(out: Path, stem: str, rows: list[dict], schema) -> None:
     tmp.replace(out / f"{stem}.parquet")
 
 
-def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete) -> str:
+def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete, incomplete_calls) -> str:
     scored = len({r.rollout_id for r in contents.rollouts})
     lines = [
         f"{len(kept)} of {scored} rollouts kept (outcome ok, reward >= {min_reward:g})",
@@ -323,9 +324,9 @@ def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, i
     if missing:
         lines.append(f"note: {missing} kept rollouts have no exchange records (logged before exchanges existed): "
                      "token rows only")
-    if incomplete:
-        lines.append(f"note: {incomplete} exchange records left out: the earlier record holding the start of "
-                     "their conversation is missing from the log")
+    if incomplete or incomplete_calls:
+        lines.append(f"note: {incomplete_calls} call and {incomplete} exchange records left out: the earlier "
+                     "record holding the start of their prompt or conversation is missing from the log")
     if contents.torn_bytes:
         lines.append(f"note: records.log ends in {contents.torn_bytes} torn bytes ({contents.torn_reason}); "
                      "every complete record before them was read")
