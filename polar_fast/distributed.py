@@ -87,6 +87,10 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # every rank done with its collectives before any tears down its gloo threads: a rank
+        # that exits while a peer still talks to it can abort ("terminate called without an
+        # active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 

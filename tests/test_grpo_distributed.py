@@ -69,4 +69,6 @@ if __name__ == "__main__":
     assert lrn.world == 2
     if dist.get_rank() == 0:
         torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "weights": weights}, sys.argv[1])
-    dist.destroy_process_group()
+    from polar_fast.distributed import shutdown
+
+    shutdown()
