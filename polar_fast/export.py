@@ -76,12 +76,12 @@ def export_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     calls: dict[str, list[CallRecord]] = defaultdict(list)
     exchanges: dict[str, list[ExchangeRecord]] = defaultdict(list)
     # calls and exchanges whole again (the log stores deltas)
-    whole_calls_, incomplete_calls = whole_calls(r for r in contents.records if isinstance(r, CallRecord))
-    for call in whole_calls_:
+    completed_calls, incomplete_calls = whole_calls(r for r in contents.records if isinstance(r, CallRecord))
+    for call in completed_calls:
         if call.rollout_id in kept:
             calls[call.rollout_id].append(call)
-    whole, incomplete = whole_exchanges(r for r in contents.records if isinstance(r, ExchangeRecord))
-    for exchange in whole:
+    completed_exchanges, incomplete = whole_exchanges(r for r in contents.records if isinstance(r, ExchangeRecord))
+    for exchange in completed_exchanges:
         if exchange.rollout_id in kept:
             exchanges[exchange.rollout_id].append(exchange)
 

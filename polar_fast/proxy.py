@@ -70,8 +70,9 @@ class Session:
     rollout_id: str
     group_id: str
     history: History
-    # Its call records as log frames: bytes hold a session's ~1e4-1e5 ids per call in ~1/5 of the
-    # memory of int lists, and the garbage collector never walks them.
+    # Its call records as the log frames written for them (prompt deltas, see CallRecord): each is
+    # encoded once, and a first call's whole prompt (~1e4 ids) sits in bytes the garbage
+    # collector never walks rather than in an int list it would.
     call_frames: list[bytes] = field(default_factory=list)
     # (call index, request messages) of its last exchange on disk: the next one stores a delta
     last_exchange: tuple[int, list[Message]] = (-1, [])

@@ -133,10 +133,7 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 
 def encode_frame(record: Record) -> bytes:
-    return _frame(_encoder.encode(record))
-
-
-def _frame(payload: bytes) -> bytes:
+    payload = _encoder.encode(record)
     return _HEADER.pack(len(payload), crc32(payload)) + payload
 
 
