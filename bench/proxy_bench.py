@@ -9,7 +9,7 @@ model's tool call, a tool result and get a short answer. Concurrency = sessions 
 
 Prints one row per (concurrency, mode): p50/p99 latency through the proxy and direct, the added
 latency, requests/s both ways and their ratio, and CPU ms per request of the proxy process (all
-its threads) and of this load-generating client (they share the machine's cores). `floor +p50`
+its threads), of the floor server (`floor`, below) and of this load-generating client. `floor +p50`
 is the added p50 of a do-nothing aiohttp server with the proxy's routes, request bodies and
 reply bytes, driven by the same client: what HTTP and the load generator cost on this machine
 before the proxy does any work (the part of `added` no proxy change can remove). Correctness beside timing: every call after a
@@ -262,7 +262,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench(root: str, floor_root: str, args, server_pid: int) -> None:
+async def bench(root: str, floor_root: str, args, server_pid: int, floor_pid: int) -> None:
     from polar_fast.engines.scripted import ScriptedEngine
 
     engine = ScriptedEngine([[1] * 30], delay_s=args.delay_ms / 1000, cycle=True)
@@ -270,7 +270,7 @@ async def bench(root: str, floor_root: str, args, server_pid: int) -> None:
     print(f"fake engine latency {args.delay_ms} ms, first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
     header = (
         f"{'conc':>5} {'mode':>5} {'n':>5} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>7} {'added p50':>10}"
-        f" {'p99':>8} {'floor +p50':>11} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10} {'client':>7}"
+        f" {'p99':>8} {'floor +p50':>11} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10} {'floor':>6} {'client':>7}"
     )
     print(header)
     ms = lambda x: x * 1000  # noqa: E731
@@ -282,7 +282,9 @@ async def bench(root: str, floor_root: str, args, server_pid: int) -> None:
             lat_p, rps_p, prompts = await run_proxy(root, args, concurrency, stream)
             cpu_ms = (cpu_s(server_pid) - cpu0) * 1000 / len(lat_p)
             client_ms = (time.process_time() - client0) * 1000 / len(lat_p)
+            floor0 = cpu_s(floor_pid)
             lat_f, _ = await run_floor(floor_root, args, concurrency, stream)
+            floor_cpu_ms = (cpu_s(floor_pid) - floor0) * 1000 / len(lat_f)
             lat_d, rps_d = await run_direct(engine, prompts, concurrency)
             added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
             added99 = ms(percentile(lat_p, 0.99) - percentile(lat_d, 0.99))
@@ -292,7 +294,7 @@ async def bench(root: str, floor_root: str, args, server_pid: int) -> None:
             print(
                 f"{concurrency:>5} {mode:>5} {len(lat_p):>5} {ms(percentile(lat_p, .5)):>10.2f} {ms(percentile(lat_p, .99)):>8.2f}"
                 f" {ms(percentile(lat_d, .5)):>11.2f} {ms(percentile(lat_d, .99)):>7.2f} {added50:>10.2f} {added99:>8.2f}"
-                f" {floor50:>11.2f} {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f} {client_ms:>7.2f}",
+                f" {floor50:>11.2f} {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f} {floor_cpu_ms:>6.2f} {client_ms:>7.2f}",
                 flush=True,
             )
     print("floor +p50: added p50 of a do-nothing aiohttp server with the same routes, bodies and replies (HTTP + this client alone)")
@@ -346,7 +348,7 @@ def main() -> None:
                 for tid in os.listdir(f"/proc/{server.pid}/task"):  # affinity is per thread
                     os.sched_setaffinity(int(tid), server_cores)
             os.sched_setaffinity(0, client_cores)
-            uvloop.run(bench(root, floor_root, args, proxy.pid))
+            uvloop.run(bench(root, floor_root, args, proxy.pid, floor.pid))
         finally:
             for server in servers:
                 server.terminate()

@@ -70,3 +70,15 @@ class BpeEncoder:
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text, in order, in one call (GIL released)."""
+
+def json_value_span(body: bytes, key: str) -> tuple[int, int] | None:
+    """(start, end) byte offsets of top-level `key`'s value in the JSON object `body`; None when
+    `body` is not an object, lacks the key, has it twice or escapes any top-level key."""
+
+def json_array_items(body: bytes, at: int, *, after_item: bool = False) -> tuple[list[tuple[int, int]], int] | None:
+    """(start, end) offsets of the elements of the array opening at `at` (or, with `after_item`,
+    of the elements after the one ending at `at`), and the offset of its closing bracket; None
+    when the text there is not such an array. Structural only: decode what it points at."""
+
+def common_prefix_len(a: bytes, b: bytes) -> int:
+    """Length of the longest common prefix of `a` and `b`."""

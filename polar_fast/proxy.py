@@ -44,6 +44,7 @@ from polar_fast.chat.history import History, Prompt
 from polar_fast.chat.render import Renderer, template_message, template_tool
 from polar_fast.dialects import Completion, Conversation, DialectError, Message, ReplyMeta, ToolCall
 from polar_fast.dialects import anthropic, chat, responses
+from polar_fast.dialects.incremental import IncrementalParser
 from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
 from polar_fast.errors import ConfigError
 from polar_fast.records import (
@@ -78,6 +79,14 @@ class Session:
     last_exchange: tuple[int, list[Message]] = (-1, [])
     n_calls: int = 0
     engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
+    # per dialect: decodes only what a request adds to the conversation it resends
+    parsers: dict[str, IncrementalParser] = field(default_factory=dict)
+
+    def parse(self, dialect: ModuleType, body: bytes) -> Conversation:
+        parser = self.parsers.get(dialect.NAME)
+        if parser is None:
+            parser = self.parsers[dialect.NAME] = IncrementalParser(dialect)
+        return parser.parse(body)
 
     def records(self) -> list[CallRecord]:
         """Its call records, each with its whole prompt."""
@@ -313,7 +322,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     started_at, t0 = time.time(), time.perf_counter()
     state = request.app[STATE]
     session = _session(request)
-    conv = dialect.parse(await _body(request))
+    conv = session.parse(dialect, await _body(request))
     if state.cfg.engine.render == "engine":
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
         extends_call, n_extended = -1, 0

@@ -23,7 +23,8 @@ system prompt into the last user turn) falls back to whole renders for that sess
 `exact_full`), still exact.
 
 Costs per exact call stay flat as a session grows: messages unchanged since the previous request
-are recognised by struct equality and reuse their keys, so matching is pointer comparisons;
+are recognised by identity (the proxy's incremental parse hands back the same objects) or struct
+equality and reuse their keys, so matching is pointer comparisons;
 prompt ids are joined with one copy, and the call record stores only the new ids (see
 records.CallRecord: `Prompt.extends_call`, `n_extended`). Ids are
 `array("i")`: a list or tuple of 1e4-1e5 ids is walked element by element by every garbage
@@ -148,9 +149,10 @@ class History:
         last_msgs, last_keys, last_tools, last_tkey = self._last
         n_last = len(last_msgs)
         keys = [
-            last_keys[j] if j < n_last and m == last_msgs[j] else message_key(m) for j, m in enumerate(messages)
+            last_keys[j] if j < n_last and (m is last_msgs[j] or m == last_msgs[j]) else message_key(m)
+            for j, m in enumerate(messages)
         ]
-        tkey = last_tkey if last_tkey and tools == last_tools else tools_key(tools)
+        tkey = last_tkey if last_tkey and (tools is last_tools or tools == last_tools) else tools_key(tools)
         self._last = (messages, keys, tools, tkey)
         return tuple(keys), tkey
 

@@ -6,6 +6,7 @@ timestamps arrive in `ReplyMeta`. Each module exposes
 
     NAME: str
     parse(body: bytes) -> Conversation            # raises DialectError (400) on bad input
+    ITEMS, ITEM, parse_fold, extend               # the same parse, resumable (see Fold)
     reply(completion, meta) -> bytes              # non-streamed JSON body
     stream(completion, meta) -> Iterator[bytes]   # SSE frames, in the order real servers send
     error(status, kind, message) -> bytes         # the dialect's error object
@@ -16,6 +17,7 @@ content parts are joined with newlines); images and documents are rejected with 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 import msgspec
@@ -77,6 +79,51 @@ class ReplyMeta(msgspec.Struct, frozen=True, kw_only=True):
     id: str  # random hex; each dialect adds its own prefix
     created: int  # unix seconds
     model: str
+
+
+class Fold:
+    """A request's conversation items (the array at top-level key `ITEMS` of the dialect: chat
+    and anthropic `messages`, responses `input`) turned into canonical messages one at a time.
+
+    After each item it keeps a mark: the message count, the last message and the dialect's own
+    pending state. A later request of the session that resends the first k items unchanged
+    resumes after item k - 1 (`resumed(k)`) instead of converting them again (see
+    dialects/incremental.py), and its first messages are the very same objects."""
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = messages
+        self.marks: list[tuple[int, Message | None, Any]] = [self._mark()]
+
+    def add(self, i: int, item: Any) -> None:
+        """Convert item `i` (append to or amend `messages`); raises DialectError."""
+        raise NotImplementedError
+
+    def push(self, i: int, item: Any) -> None:
+        self.add(i, item)
+        self.marks.append(self._mark())
+
+    @property
+    def n_items(self) -> int:
+        return len(self.marks) - 1
+
+    def resumed(self, k: int) -> Fold:
+        """A copy as it stood after its first k items; this one is left unchanged."""
+        n, last, state = self.marks[k]
+        fold = copy.copy(self)
+        # only the last message can be amended by a later item (a merged assistant turn)
+        fold.messages = [*self.messages[: n - 1], last] if n else []
+        fold.marks = self.marks[: k + 1]
+        fold._restore(state)
+        return fold
+
+    def _mark(self) -> tuple[int, Message | None, Any]:
+        return len(self.messages), self.messages[-1] if self.messages else None, self._state()
+
+    def _state(self) -> Any:
+        return None
+
+    def _restore(self, state: Any) -> None:
+        pass
 
 
 class DialectError(Exception):

@@ -25,6 +25,7 @@ from polar_fast.dialects import (
     Completion,
     Conversation,
     DialectError,
+    Fold,
     Message,
     ReplyMeta,
     Tool,
@@ -162,15 +163,24 @@ def _turn(i: int, m: _MessageIn, defs: _Defs) -> list[Message]:
     return out
 
 
-def _conversation(req: _Request | _CountRequest) -> tuple[list[Message], list[Tool]]:
-    messages: list[Message] = []
+ITEMS, ITEM = "messages", _MessageIn
+
+
+class _Fold(Fold):
+    def __init__(self, messages: list[Message], defs: _Defs) -> None:
+        super().__init__(messages)
+        self.defs = defs
+
+    def add(self, i: int, item: _MessageIn) -> None:
+        self.messages.extend(_turn(i, item, self.defs))
+
+
+def _conversation(req: _Request | _CountRequest) -> tuple[_Fold, list[Tool]]:
     system = _system(req.system)
-    if system:
-        messages.append(Message(role="system", content=system))
     offered = [t for t in req.tools or () if t.input_schema is not None and t.name]
-    defs = _definitions(offered)
+    fold = _Fold([Message(role="system", content=system)] if system else [], _definitions(offered))
     for i, m in enumerate(req.messages):
-        messages.extend(_turn(i, m, defs))
+        fold.push(i, m)
     if not req.messages:
         raise DialectError("messages must not be empty")
     tools = [
@@ -178,27 +188,40 @@ def _conversation(req: _Request | _CountRequest) -> tuple[list[Message], list[To
         for t in offered
         if not t.defer_loading
     ]
-    return messages, tools
+    return fold, tools
 
 
 def parse(body: bytes) -> Conversation:
+    return parse_fold(body)[0]
+
+
+def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
     req: _Request = decode(body, _Request, "messages")
-    messages, tools = _conversation(req)
-    return Conversation(
+    fold, tools = _conversation(req)
+    conv = Conversation(
         model=req.model,
-        messages=messages,
+        messages=fold.messages,
         tools=tools,
         stream=bool(req.stream),
         max_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
     )
+    return conv, fold
+
+
+def extend(conv: Conversation, fold: Fold) -> Conversation:
+    """`conv` with the messages of `fold`, which holds the same request's items plus or minus
+    some at the end (the rest of the request is unchanged)."""
+    if not fold.n_items:
+        raise DialectError("messages must not be empty")
+    return msgspec.structs.replace(conv, messages=fold.messages)
 
 
 def parse_count(body: bytes) -> Conversation:
     req: _CountRequest = decode(body, _CountRequest, "count_tokens")
-    messages, tools = _conversation(req)
-    return Conversation(model=req.model, messages=messages, tools=tools)
+    fold, tools = _conversation(req)
+    return Conversation(model=req.model, messages=fold.messages, tools=tools)
 
 
 def count_reply(n_tokens: int) -> bytes:

@@ -17,6 +17,7 @@ from polar_fast.dialects import (
     Completion,
     Conversation,
     DialectError,
+    Fold,
     Message,
     ReplyMeta,
     Tool,
@@ -123,20 +124,43 @@ def _message(i: int, m: _MessageIn) -> Message:
     raise DialectError(f"{where}.role {m.role!r} is not one of system, developer, user, assistant, tool")
 
 
+ITEMS, ITEM = "messages", _MessageIn
+
+
+class _Fold(Fold):
+    def add(self, i: int, item: _MessageIn) -> None:
+        self.messages.append(_message(i, item))
+
+
 def parse(body: bytes) -> Conversation:
+    return parse_fold(body)[0]
+
+
+def extend(conv: Conversation, fold: Fold) -> Conversation:
+    """`conv` with the messages of `fold`, which holds the same request's items plus or minus
+    some at the end (the rest of the request is unchanged)."""
+    if not fold.messages:
+        raise DialectError("messages must not be empty")
+    return msgspec.structs.replace(conv, messages=fold.messages)
+
+
+def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
     req: _Request = decode(body, _Request, "chat completions")
     if not req.messages:
         raise DialectError("messages must not be empty")
     if req.n not in (None, 1):
         raise DialectError("only n=1 is supported")
+    fold = _Fold([])
+    for i, m in enumerate(req.messages):
+        fold.push(i, m)
     tools = [
         Tool(name=t.function.name, description=t.function.description or "", parameters=t.function.parameters or {})
         for t in req.tools or ()
         if t.type == "function" and t.function is not None
     ]
-    return Conversation(
+    conv = Conversation(
         model=req.model,
-        messages=[_message(i, m) for i, m in enumerate(req.messages)],
+        messages=fold.messages,
         tools=tools,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -145,6 +169,7 @@ def parse(body: bytes) -> Conversation:
         top_p=req.top_p,
         seed=req.seed,
     )
+    return conv, fold
 
 
 def _usage(c: Completion) -> dict[str, int]:

@@ -21,6 +21,7 @@ from polar_fast.dialects import (
     Completion,
     Conversation,
     DialectError,
+    Fold,
     Message,
     ReplyMeta,
     Tool,
@@ -83,12 +84,21 @@ def _text(content: str | list[_Part] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-class _Builder:
-    """Folds items into messages: consecutive assistant output (reasoning, text, calls) is one turn."""
+ITEMS, ITEM = "input", _Item
 
-    def __init__(self) -> None:
-        self.messages: list[Message] = []
+
+class _Fold(Fold):
+    """Consecutive assistant output (reasoning, text, calls) is one turn; reasoning waits for it."""
+
+    def __init__(self, messages: list[Message]) -> None:
         self.reasoning = ""
+        super().__init__(messages)
+
+    def _state(self) -> str:
+        return self.reasoning
+
+    def _restore(self, state: str) -> None:
+        self.reasoning = state
 
     def _assistant(self) -> Message:
         last = self.messages[-1] if self.messages else None
@@ -129,31 +139,42 @@ class _Builder:
 
 
 def parse(body: bytes) -> Conversation:
+    return parse_fold(body)[0]
+
+
+def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
     req: _Request = decode(body, _Request, "responses")
-    b = _Builder()
-    if req.instructions:
-        b.messages.append(Message(role="system", content=req.instructions))
+    fold = _Fold([Message(role="system", content=req.instructions)] if req.instructions else [])
     if isinstance(req.input, str):
-        b.messages.append(Message(role="user", content=req.input))
+        fold.messages.append(Message(role="user", content=req.input))
     else:
         for i, item in enumerate(req.input):
-            b.add(i, item)
-    if not b.messages:
+            fold.push(i, item)
+    if not fold.messages:
         raise DialectError("input must not be empty")
     tools = [
         Tool(name=t.name, description=t.description or "", parameters=t.parameters or {})
         for t in req.tools or ()
         if t.type == "function" and t.name
     ]
-    return Conversation(
+    conv = Conversation(
         model=req.model,
-        messages=b.messages,
+        messages=fold.messages,
         tools=tools,
         stream=bool(req.stream),
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
     )
+    return conv, fold
+
+
+def extend(conv: Conversation, fold: Fold) -> Conversation:
+    """`conv` with the messages of `fold`, which holds the same request's items plus or minus
+    some at the end (the rest of the request is unchanged)."""
+    if not fold.messages:
+        raise DialectError("input must not be empty")
+    return msgspec.structs.replace(conv, messages=fold.messages)
 
 
 def _items(c: Completion, meta: ReplyMeta) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 pub mod bpe;
 mod bpe_unicode;
 pub mod error;
+pub mod jsonscan;
 pub mod pack;
 pub mod pretokenize;
 pub mod record;
@@ -202,10 +203,32 @@ fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
     py.detach(|| crc32fast::hash(data))
 }
 
+/// (start, end) byte offsets of top-level `key`'s value in a JSON object; see jsonscan.rs.
+#[pyfunction]
+fn json_value_span(body: &[u8], key: &str) -> Option<(usize, usize)> {
+    jsonscan::top_level_value(body, key.as_bytes())
+}
+
+/// The (start, end) offsets of an array's elements and of its closing bracket; see jsonscan.rs.
+#[pyfunction]
+#[pyo3(signature = (body, at, *, after_item = false))]
+fn json_array_items(body: &[u8], at: usize, after_item: bool) -> Option<(Vec<(usize, usize)>, usize)> {
+    jsonscan::array_items(body, at, after_item)
+}
+
+/// Length of the longest common prefix of two byte strings.
+#[pyfunction]
+fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
+    jsonscan::common_prefix_len(a, b)
+}
+
 #[pymodule]
 fn _merge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(merge, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
+    m.add_function(wrap_pyfunction!(json_value_span, m)?)?;
+    m.add_function(wrap_pyfunction!(json_array_items, m)?)?;
+    m.add_function(wrap_pyfunction!(common_prefix_len, m)?)?;
     m.add_function(wrap_pyfunction!(pack_plan, m)?)?;
     m.add_class::<BpeEncoder>()?;
     m.add("MergeError", m.py().import("polar_fast.errors")?.getattr("MergeError")?)?;
