@@ -68,6 +68,8 @@ class BpeEncoder:
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, as HF `encode(text, add_special_tokens=False).ids` (GIL released)."""
 
+    def encode_bytes(self, text: str) -> bytes:
+        """`encode(text)` as native-endian int32 bytes (`array("i").frombytes`)."""
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text, in order, in one call (GIL released)."""
 

@@ -5,6 +5,8 @@ chat-template-like and tool-output-like text, and every code point in several co
 
 from __future__ import annotations
 
+from array import array
+
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -188,6 +190,7 @@ def test_encode_many_and_threads_agree_with_encode(pair):
     texts = corpus(200)
     want = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
     assert enc.encode_many(texts) == want
+    assert [array("i", enc.encode_bytes(t)).tolist() for t in texts] == want
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(enc.encode, texts * 4)) == want * 4
 

@@ -57,7 +57,7 @@ def test_suffix_prompts_equal_whole_render_reference(tokenizer, template):
         prompt = history.prompt(msgs, TOOLS)
         if turn == 0:
             assert prompt.history == "render:first_call"
-            reference = r.render(msgs, TOOLS)
+            reference = r.render(msgs, TOOLS).tolist()
         else:
             assert prompt.history == "exact"
             cut = r.text_after(msgs, TOOLS, n_through)

@@ -32,6 +32,23 @@ def test_per_turn_encoding_equals_whole_text(renderer):
     text = renderer.text(msgs, TOOLS, generation_prompt=True)
     assert renderer.encode(text) == renderer.tokenizer.encode(text, add_special_tokens=False)
     assert renderer.encode(text) == renderer.encode(text)  # cached path too
+    assert renderer.encode_suffix(text).tolist() == renderer.encode(text)  # uncached, int32 bytes
+
+
+def test_end_of_turn_counts_cached_by_shape_equal_a_fresh_render():
+    renderer = Renderer(load_tokenizer(""))  # its own cache
+    call = ToolCall(id="c", name="bash", arguments='{"command": "ls"}')
+    replies = [Message(role="assistant", content=text, reasoning=why, tool_calls=calls)
+               for text in ("", "done", "say <|im_end|> twice <|im_end|>") for why in ("", "hm")
+               for calls in ((), (call,), (call, call))]
+    head = [Message(role="system", content="x"), Message(role="user", content="x")]
+    for tools, key in (([], b""), (TOOLS, b"tools-1")):
+        for _ in range(2):  # the second pass is served from the cache
+            for reply in replies:
+                msgs = [*head, reply]
+                want = renderer.text(msgs, tools, generation_prompt=False).count(renderer.eot)
+                assert renderer._ends_through(msgs, tools, key) == want
+    assert renderer._ends_cache and len(renderer._ends_cache) < 2 * len(replies)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +107,7 @@ def test_exact_history_keeps_sampled_tokens_the_template_would_change(renderer):
     # the fallback): the next prompt still holds exactly the sampled ids.
     p1, completion, p2 = _run_two_calls(renderer, "<think>plan</think>Answer.")
     assert p2.history == "exact" and list(p2.ids[: len(p1.ids) + len(completion)]) == list(p1.ids) + completion
-    assert list(p2.ids) != renderer.render([Message(role="system", content="sys"), Message(role="user", content="do it"),
+    assert p2.ids != renderer.render([Message(role="system", content="sys"), Message(role="user", content="do it"),
                                       Message(role="assistant", content="Answer.", reasoning="plan"),
                                       Message(role="tool", content="out", tool_call_id="x")], TOOLS)
 

@@ -122,8 +122,8 @@ class History:
     def finish(self, plan: Plan, messages: list[Message], tools: list[Tool]) -> Prompt:
         """The prompt ids of `plan` (made by `plan(messages, tools)`). Touches no session state."""
         if plan.whole:
-            return Prompt(array("i", self.renderer.render(messages, tools)), plan.history, plan.keys, plan.tools)
-        tail = plan.added + array("i", self.renderer.encode(plan.text))
+            return Prompt(self.renderer.render(messages, tools), plan.history, plan.keys, plan.tools)
+        tail = plan.added + self.renderer.encode_suffix(plan.text)
         ids = plan.base + tail  # the one copy of the long part
         return Prompt(ids, plan.history, plan.keys, plan.tools, plan.extends_call, plan.n_extended)
 
@@ -170,8 +170,9 @@ class History:
         r = self.renderer
         if self._suffix_local:
             head = _stand_in_head(messages[: n_matched - 1])
-            stub_tools = tools if r.tools_reach_suffix(tools, self._last[3]) else []
-            text = r.text_after(head + messages[n_matched - 1 :], stub_tools, len(head) + 1)
+            tkey = self._last[3]
+            stub_tools = tools if r.tools_reach_suffix(tools, tkey) else []
+            text = r.text_after(head + messages[n_matched - 1 :], stub_tools, len(head) + 1, tools_key=tkey if stub_tools else b"")
             shape = tuple(m.role for m in messages[n_matched:])
             if shape in self._checked and text is not None:
                 return text

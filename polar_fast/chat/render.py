@@ -21,7 +21,7 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from polar_fast.chat.parsers import parse_tool_calls, split_reasoning
 from polar_fast.chat.template import HERMES_CHATML, template_supports_tools
@@ -70,6 +70,7 @@ class Renderer:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_lock = threading.Lock()  # encode() runs in worker threads
         self._tools_reach_suffix: dict[bytes, bool] = {}
+        self._ends_cache: dict[tuple, int] = {}  # see _ends_through
 
     def text(self, messages: list[Message], tools: list[Tool], *, generation_prompt: bool) -> str:
         msgs = [template_message(m) for m in messages]
@@ -83,10 +84,15 @@ class Renderer:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text. The text is cut after every end-of-turn mark and each turn
-        is tokenised on its own (identical ids: BPE never merges across a special token), with an
-        LRU cache of long turns, so the system prompt + tool schemas that every session of a run
-        shares are tokenised once. All uncached turns go to the tokenizer in one batch."""
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> array:
+        """Token ids of rendered text, as array("i"). The text is cut after every end-of-turn
+        mark and each turn is tokenised on its own (identical ids: BPE never merges across a
+        special token), with an LRU cache of long turns, so the system prompt + tool schemas
+        that every session of a run shares are tokenised once. Uncached turns go to the
+        tokenizer in one batch; parts are joined as arrays (a list of 2e4 Python ints cost more
+        than tokenising them)."""
         turns: list[str] = []
         start = 0
         while start < len(text):
@@ -94,23 +100,35 @@ class Renderer:
             end = len(text) if end < 0 else end + len(self.eot)
             turns.append(text[start:end])
             start = end
-        parts: list[Sequence[int] | None] = [self._cached(t) for t in turns]
+        parts: list[array | None] = [self._cached(t) for t in turns]
         todo = [i for i, p in enumerate(parts) if p is None]
         if todo:
             for i, ids in zip(todo, self._encode_many([turns[i] for i in todo])):
                 parts[i] = ids
                 if len(turns[i]) >= _CACHE_MIN_CHARS:
                     self._remember(turns[i], ids)
-        if len(parts) == 1:
-            return list(parts[0])  # type: ignore[arg-type]
-        return [i for p in parts for i in p]  # type: ignore[union-attr]
+        out = array("i")
+        for part in parts:
+            out.extend(part)  # type: ignore[arg-type]
+        return out
 
-    def _encode_many(self, texts: list[str]) -> list[list[int]]:
-        if self._fast is not None:
-            return self._fast.encode_many(texts)
+    def encode_suffix(self, text: str) -> array:
+        """`encode(text)` for the new suffix of an exact-history call. The turn cache is for
+        text every session shares (system prompts, tool schemas), which a suffix of new tool
+        results and messages never is."""
+        return self._encode_many([text])[0]
+
+    def _encode_many(self, texts: list[str]) -> list[array]:
+        if self._fast is not None:  # int32 bytes from Rust: no Python int per token
+            out = []
+            for text in texts:
+                ids = array("i")
+                ids.frombytes(self._fast.encode_bytes(text))
+                out.append(ids)
+            return out
         if self._batch is not None:
-            return [e.ids for e in self._batch(texts, add_special_tokens=False)]
-        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            return [array("i", e.ids) for e in self._batch(texts, add_special_tokens=False)]
+        return [array("i", self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
     def _cached(self, turn: str) -> array | None:
         if len(turn) < _CACHE_MIN_CHARS:  # short turns: the cache would cost more than it saves
@@ -121,17 +139,19 @@ class Renderer:
                 self._cache.move_to_end(turn)
             return ids
 
-    def _remember(self, turn: str, ids: list[int]) -> None:
+    def _remember(self, turn: str, ids: array) -> None:
         with self._cache_lock:
-            self._cache[turn] = array("i", ids)
+            self._cache[turn] = ids
             if len(self._cache) > _CACHE_TURNS:
                 self._cache.popitem(last=False)
 
-    def text_after(self, messages: list[Message], tools: list[Tool], n_through: int) -> str | None:
+    def text_after(self, messages: list[Message], tools: list[Tool], n_through: int, *, tools_key: bytes = b"") -> str | None:
         """Rendered text (with the generation prompt) after the end-of-turn that closes
         messages[n_through - 1], or None when the template does not close it with one. Its
-        position is the end-of-turn count of the render of messages[:n_through]."""
-        n_ends = self.text(messages[:n_through], tools, generation_prompt=False).count(self.eot)
+        position is the end-of-turn count of the render of messages[:n_through]: that render is
+        skipped when the count is known for messages of the same shape (`tools_key` names the
+        tools; pass it only for short message lists, it keys a cache)."""
+        n_ends = self._ends_through(messages[:n_through], tools, tools_key)
         text = self.text(messages, tools, generation_prompt=True)
         at = -len(self.eot)
         for _ in range(n_ends):
@@ -139,6 +159,29 @@ class Renderer:
             if at < 0:
                 return None
         return text[at + len(self.eot) :] if n_ends else None
+
+    def _ends_through(self, messages: list[Message], tools: list[Tool], tools_key: bytes) -> int:
+        """End-of-turn marks in the render of `messages`. A template prints them per turn, not
+        per character of content: messages with the same roles and the same fields set give
+        the same count, unless a text holds the mark itself (then it is counted afresh)."""
+        shape = None
+        if tools_key or not tools:
+            eot = self.eot
+            shape = (tools_key, *(
+                (m.role, bool(m.content), bool(m.reasoning), tuple(bool(c.arguments) for c in m.tool_calls), bool(m.tool_call_id))
+                for m in messages
+            ))
+            if any(eot in m.content or eot in m.reasoning or any(eot in c.arguments or eot in c.name or eot in c.id for c in m.tool_calls)
+                   for m in messages):
+                shape = None
+        n = self._ends_cache.get(shape) if shape is not None else None
+        if n is None:
+            n = self.text(messages, tools, generation_prompt=False).count(self.eot)
+            if shape is not None:
+                if len(self._ends_cache) >= 1024:
+                    self._ends_cache.clear()
+                self._ends_cache[shape] = n
+        return n
 
     def tools_reach_suffix(self, tools: list[Tool], key: bytes) -> bool:
         """Whether the template prints anything tool-dependent after an assistant reply (most
@@ -154,8 +197,9 @@ class Renderer:
             self._tools_reach_suffix[key] = known
         return known
 
-    def render(self, messages: list[Message], tools: list[Tool]) -> list[int]:
-        return self.encode(self.text(messages, tools, generation_prompt=True))
+    def render(self, messages: list[Message], tools: list[Tool]) -> array:
+        """Prompt ids of a conversation, as array("i") (a Sequence[int])."""
+        return self.encode_array(self.text(messages, tools, generation_prompt=True))
 
     def parse(
         self, completion_ids: list[int], tools: list[Tool], new_call_id: Callable[[], str]

@@ -50,8 +50,12 @@ class IncrementalParser:
 
     def parse(self, body: bytes) -> Conversation:
         if self._recent:
-            best = max(self._recent, key=lambda p: common_prefix_len(p.body, body))
-            parsed = self._extend(best, body)
+            best, shared = self._recent[-1], -1
+            for recent in self._recent:
+                n = common_prefix_len(recent.body, body)
+                if n > shared:
+                    best, shared = recent, n
+            parsed = self._extend(best, body, shared)
             if parsed is not None:
                 self.n_incremental += 1
                 self._keep(parsed, replacing=best)
@@ -79,8 +83,7 @@ class IncrementalParser:
             return None
         return _Parsed(body, span[0], [e for _, e in spans], close, conv, fold)
 
-    def _extend(self, last: _Parsed, body: bytes) -> _Parsed | None:
-        shared = common_prefix_len(last.body, body)
+    def _extend(self, last: _Parsed, body: bytes, shared: int) -> _Parsed | None:
         k = bisect_right(last.ends, shared)  # items whose bytes are all shared
         if k == 0 and shared <= last.open:
             return None
