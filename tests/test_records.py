@@ -126,6 +126,14 @@ def test_exchange_deltas_read_back_whole(tmp_path_factory, start, edits, lost):
         assert missing == 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=4096), st.integers(0, 4096))
+def test_frame_checksum_is_zlibs_crc32(data, cut):
+    # the Rust crc32 (crc32fast) and zlib must agree: logs written by either read with both
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[cut:]) == zlib.crc32(data[cut:])
+
+
 def test_mismatched_logprobs_are_rejected():
     with pytest.raises(ValueError, match="2 completion ids but 1 logprobs"):
         make_call(0).__class__(**{**msgspec.structs.asdict(make_call(0)), "completion_logprobs": [0.0]})
