@@ -532,6 +532,13 @@ async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer:
         # collection walks them all and stalls the event loop for ~0.5 s; frozen, it skips them.
         gc.collect()
         gc.freeze()
+    threshold0, *older = gc.get_threshold()
+    if threshold0 < 10_000:
+        # Each call leaves young container objects behind (decoded items, Jinja contexts, futures)
+        # and a young collection costs ~0.4 ms on the event loop however few survive: at the
+        # default 700 that was ~25 us per call at concurrency 64 (bench/proxy_bench.py), at
+        # 10k ~4 us. Memory: at most ~10k more objects wait for a cycle collection.
+        gc.set_threshold(10_000, *older)
     recorder = Recorder(record_log, queue_size=pc.recorder_queue_size)
     render_pool = ThreadPoolExecutor(max_workers=max(1, pc.render_threads), thread_name_prefix="proxy-render")
     state = ProxyState(cfg=cfg, engine=engine, renderer=renderer, recorder=recorder, render_pool=render_pool)
