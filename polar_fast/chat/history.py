@@ -14,7 +14,9 @@ conversation: a short system and user message standing in for the matched prefix
 the client sent it back, then the new messages; the text after the end-of-turn that closes the
 reply is the suffix.
 That cut sits right after a special token, where BPE merges cannot cross, and it does not depend
-on how the template re-renders older turns (Qwen3 drops old reasoning). Tools are left out of
+on how the template re-renders older turns (Qwen3 drops old reasoning). For new user, tool and
+system turns that render is usually served by a checked skeleton of the template's markup
+(chat/skeleton.py) instead of Jinja. Tools are left out of
 that render when a probe shows the template only uses them before the suffix (most print them
 in the system turn). The first exact call of a session with a new shape of suffix (the roles of
 its new messages, e.g. tool, or tool + user) also renders the whole conversation and checks the
@@ -172,7 +174,8 @@ class History:
             head = _stand_in_head(messages[: n_matched - 1])
             tkey = self._last[3]
             stub_tools = tools if r.tools_reach_suffix(tools, tkey) else []
-            text = r.text_after(head + messages[n_matched - 1 :], stub_tools, len(head) + 1, tools_key=tkey if stub_tools else b"")
+            reply, new = messages[n_matched - 1], messages[n_matched:]
+            text = r.skeletons.text_after(head, reply, new, stub_tools, tkey if stub_tools else b"")
             shape = tuple(m.role for m in messages[n_matched:])
             if shape in self._checked and text is not None:
                 return text

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from polar_fast.chat.parsers import parse_tool_calls, split_reasoning
+from polar_fast.chat.skeleton import Skeletons
 from polar_fast.chat.template import HERMES_CHATML, template_supports_tools
 from polar_fast.dialects import Message, Tool, ToolCall
 from polar_fast.fast_tokenizer import fast_encoder
@@ -71,6 +72,7 @@ class Renderer:
         self._cache_lock = threading.Lock()  # encode() runs in worker threads
         self._tools_reach_suffix: dict[bytes, bool] = {}
         self._ends_cache: dict[tuple, int] = {}  # see _ends_through
+        self.skeletons = Skeletons(self)  # exact-history suffixes without Jinja, checked
 
     def text(self, messages: list[Message], tools: list[Tool], *, generation_prompt: bool) -> str:
         msgs = [template_message(m) for m in messages]
