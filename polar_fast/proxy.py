@@ -54,6 +54,7 @@ from polar_fast.records import (
     Timings,
     decode_frame,
     encode_frame,
+    packed_ids,
     whole_calls,
 )
 from polar_fast.recorder import Recorder
@@ -351,7 +352,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         rollout_id=session.rollout_id,
         group_id=session.group_id,
         call_index=session.n_calls,
-        prompt_ids=list(prompt_ids[n_extended:]),  # only the new ids: see CallRecord
+        prompt_ids=packed_ids(prompt_ids[n_extended:]),  # only the new ids (see CallRecord), encoded
         completion_ids=gen.token_ids,
         completion_logprobs=gen.logprobs,
         policy_version=version,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import zlib
+from array import array
 
 import msgspec
 import pytest
@@ -22,7 +23,9 @@ from polar_fast.records import (
     RecordLog,
     RolloutRecord,
     Timings,
+    decode_frame,
     encode_frame,
+    packed_ids,
     read_log,
     whole_calls,
     whole_exchanges,
@@ -132,6 +135,16 @@ def test_frame_checksum_is_zlibs_crc32(data, cut):
     # the Rust crc32 (crc32fast) and zlib must agree: logs written by either read with both
     assert crc32(data) == zlib.crc32(data)
     assert crc32(data[cut:]) == zlib.crc32(data[cut:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=70000) | st.lists(st.integers(0, 70000), max_size=20))
+def test_packed_ids_are_what_msgspec_writes(ids):
+    packed = packed_ids(array("i", ids))
+    assert bytes(packed) == msgspec.msgpack.encode(ids) == bytes(packed_ids(ids))
+    record = CallRecord(session_id="s", rollout_id="r", group_id="", call_index=0, prompt_ids=packed, completion_ids=[1],
+                        completion_logprobs=[-0.5], policy_version=0, finish_reason="stop", dialect="chat")
+    assert decode_frame(encode_frame(record)).prompt_ids == ids
 
 
 def test_mismatched_logprobs_are_rejected():
