@@ -35,6 +35,16 @@ def test_per_turn_encoding_equals_whole_text(renderer):
     assert renderer.encode_suffix(text).tolist() == renderer.encode(text)  # uncached, int32 bytes
 
 
+def test_reply_decoding_equals_the_tokenizers(renderer):
+    # the renderer calls the tokenizers backend directly (no space clean-up configured)
+    tok = renderer.tokenizer
+    rng = __import__("random").Random(7)
+    specials = list(tok.all_special_ids)
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randrange(40))]
+        assert renderer._decode(ids) == tok.decode(ids, skip_special_tokens=False)
+
+
 def test_end_of_turn_counts_cached_by_shape_equal_a_fresh_render():
     renderer = Renderer(load_tokenizer(""))  # its own cache
     call = ToolCall(id="c", name="bash", arguments='{"command": "ls"}')
