@@ -35,14 +35,16 @@ def _body(doc: dict, compact: bool) -> bytes:
     return json.dumps(doc, separators=(",", ":") if compact else (", ", ": "), ensure_ascii=False).encode()
 
 
+@pytest.mark.parametrize("changing_tail", [False, True], ids=["same_tail", "turn_id_after_items"])
 @pytest.mark.parametrize("harness", sorted(DIALECTS))
-def test_growing_conversation_is_parsed_incrementally(harness):
+def test_growing_conversation_is_parsed_incrementally(harness, changing_tail):
     dialect, doc = DIALECTS[harness], REQUESTS[harness]
     items = doc[dialect.ITEMS]
     parser = IncrementalParser(dialect)
     previous = None
     for n in range(1, len(items) + 1):
-        body = _body(doc | {dialect.ITEMS: items[:n]}, compact=True)
+        tail = {"metadata": {"turn_id": f"turn-{n}"}} if changing_tail else {}
+        body = _body(doc | {dialect.ITEMS: items[:n]} | tail, compact=True)
         conv = parser.parse(body)
         assert conv == dialect.parse(body)
         if previous is not None:  # the resent messages are the very objects parsed before
@@ -52,7 +54,9 @@ def test_growing_conversation_is_parsed_incrementally(harness):
     assert parser.n_full == 1 and parser.n_incremental == len(items) - 1
 
 
-_EDITS = st.sampled_from(["grow", "grow", "grow", "same", "edit_old", "drop", "field", "bad_item", "cut", "flip", "other", "spaces"])
+_EDITS = st.sampled_from(
+    ["grow", "grow", "grow", "same", "edit_old", "drop", "field", "tail_field", "system", "dup_key", "bad_item", "cut", "flip", "other", "spaces"]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,6 +82,14 @@ def test_equals_full_parse_under_random_edits(harness, edits):
             current = current | {dialect.ITEMS: its[: max(1, len(its) - 1 - r % 2)]}
         elif edit == "field":
             current = current | {"model": f"m{r % 3}"}
+        elif edit == "tail_field":  # after the items, as Codex's client_metadata (a turn id) is
+            current = {k: v for k, v in current.items() if k != "zz"} | {"zz": {"turn": r % 4}}
+        elif edit == "system":  # what the items are folded onto (anthropic system, responses instructions)
+            key = {"codex": "instructions", "claude-code": "system"}.get(harness, "zz")
+            current = {k: v for k, v in current.items() if k != key} | {key: f"be brief {r % 2}"}
+        elif edit == "dup_key":  # the item key again after the items: a decoder takes the last one
+            text = _body(current, True)
+            body = text[:-1] + b',"' + dialect.ITEMS.encode() + (b'":[]}' if r % 2 else b'":' + json.dumps(items[:1]).encode() + b"}")
         elif edit == "bad_item":
             bad = [{"role": 5}, {"type": "nonsense"}, {"role": "user", "content": [{"type": "image"}]}, 7, {}][r % 5]
             body = _body(current | {dialect.ITEMS: [*current[dialect.ITEMS], bad]}, compact)

@@ -123,6 +123,8 @@ async def test_two_calls_extend_exactly(tmp_path, dialect, stream):
             assert r.status == 200, await r.text()
             assert "Done: the file is written." in await r.text()
         calls = await px.records()
+        parser = px.proxy.state.sessions[px.token].parsers[dialect]
+    assert (parser.n_full, parser.n_incremental) == (1, 1)  # the resent conversation was not decoded again
     assert [c.call_index for c in calls] == [0, 1]
     assert [c.history for c in calls] == ["render:first_call", "exact"]
     first, second = calls

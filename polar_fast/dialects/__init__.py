@@ -6,7 +6,7 @@ timestamps arrive in `ReplyMeta`. Each module exposes
 
     NAME: str
     parse(body: bytes) -> Conversation            # raises DialectError (400) on bad input
-    ITEMS, ITEM, parse_fold, extend               # the same parse, resumable (see Fold)
+    ITEMS, ITEM, REQUEST, parse_fold, start, finish, extend   # the same parse in steps (see Fold)
     reply(completion, meta) -> bytes              # non-streamed JSON body
     stream(completion, meta) -> Iterator[bytes]   # SSE frames, in the order real servers send
     error(status, kind, message) -> bytes         # the dialect's error object
@@ -92,6 +92,7 @@ class Fold:
 
     def __init__(self, messages: list[Message]) -> None:
         self.messages = messages
+        self.initial = tuple(messages)  # what the request gave before its first item (a system prompt)
         self.marks: list[tuple[int, Message | None, Any]] = [self._mark()]
 
     def add(self, i: int, item: Any) -> None:
@@ -116,6 +117,10 @@ class Fold:
         fold._restore(state)
         return fold
 
+    def context(self) -> tuple:
+        """What item conversion depends on besides the items: equal contexts, equal folds."""
+        return self.initial
+
     def _mark(self) -> tuple[int, Message | None, Any]:
         return len(self.messages), self.messages[-1] if self.messages else None, self._state()
 
@@ -124,6 +129,13 @@ class Fold:
 
     def _restore(self, state: Any) -> None:
         pass
+
+
+def fold_items(fold: Fold, items: Any, first: int = 0) -> Fold:
+    """`fold` after pushing `items`, numbered from `first` (their index in the request)."""
+    for i, item in enumerate(items, first):
+        fold.push(i, item)
+    return fold
 
 
 class DialectError(Exception):

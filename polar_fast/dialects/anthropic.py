@@ -31,6 +31,7 @@ from polar_fast.dialects import (
     Tool,
     ToolCall,
     decode,
+    fold_items,
     json_text,
     reject_media,
     sse,
@@ -163,7 +164,7 @@ def _turn(i: int, m: _MessageIn, defs: _Defs) -> list[Message]:
     return out
 
 
-ITEMS, ITEM = "messages", _MessageIn
+ITEMS, ITEM, REQUEST = "messages", _MessageIn, _Request
 
 
 class _Fold(Fold):
@@ -174,21 +175,22 @@ class _Fold(Fold):
     def add(self, i: int, item: _MessageIn) -> None:
         self.messages.extend(_turn(i, item, self.defs))
 
+    def context(self) -> tuple:
+        return (*super().context(), self.defs)
 
-def _conversation(req: _Request | _CountRequest) -> tuple[_Fold, list[Tool]]:
+
+def _offered(req: _Request | _CountRequest) -> list[_ToolIn]:
+    return [t for t in req.tools or () if t.input_schema is not None and t.name]
+
+
+def start(req: _Request | _CountRequest) -> Fold:
+    """The fold of `req`'s turns before its first one: the system prompt, the tool definitions."""
     system = _system(req.system)
-    offered = [t for t in req.tools or () if t.input_schema is not None and t.name]
-    fold = _Fold([Message(role="system", content=system)] if system else [], _definitions(offered))
-    for i, m in enumerate(req.messages):
-        fold.push(i, m)
-    if not req.messages:
-        raise DialectError("messages must not be empty")
-    tools = [
-        Tool(name=t.name, description=t.description or "", parameters=t.input_schema)
-        for t in offered
-        if not t.defer_loading
-    ]
-    return fold, tools
+    return _Fold([Message(role="system", content=system)] if system else [], _definitions(_offered(req)))
+
+
+def _tools(req: _Request | _CountRequest) -> list[Tool]:
+    return [Tool(name=t.name, description=t.description or "", parameters=t.input_schema) for t in _offered(req) if not t.defer_loading]
 
 
 def parse(body: bytes) -> Conversation:
@@ -197,22 +199,26 @@ def parse(body: bytes) -> Conversation:
 
 def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
     req: _Request = decode(body, _Request, "messages")
-    fold, tools = _conversation(req)
+    fold = fold_items(start(req), req.messages)
+    return finish(req, fold), fold
+
+
+def finish(req: _Request, fold: Fold) -> Conversation:
+    """The conversation of `req` whose turns `fold` holds."""
     conv = Conversation(
         model=req.model,
         messages=fold.messages,
-        tools=tools,
+        tools=_tools(req),
         stream=bool(req.stream),
         max_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
     )
-    return conv, fold
+    return extend(conv, fold)
 
 
 def extend(conv: Conversation, fold: Fold) -> Conversation:
-    """`conv` with the messages of `fold`, which holds the same request's items plus or minus
-    some at the end (the rest of the request is unchanged)."""
+    """`conv` with the messages of `fold` (from a request that differs from conv's only in them)."""
     if not fold.n_items:
         raise DialectError("messages must not be empty")
     return msgspec.structs.replace(conv, messages=fold.messages)
@@ -220,8 +226,10 @@ def extend(conv: Conversation, fold: Fold) -> Conversation:
 
 def parse_count(body: bytes) -> Conversation:
     req: _CountRequest = decode(body, _CountRequest, "count_tokens")
-    fold, tools = _conversation(req)
-    return Conversation(model=req.model, messages=fold.messages, tools=tools)
+    fold = fold_items(start(req), req.messages)
+    if not fold.n_items:
+        raise DialectError("messages must not be empty")
+    return Conversation(model=req.model, messages=fold.messages, tools=_tools(req))
 
 
 def count_reply(n_tokens: int) -> bytes:

@@ -23,6 +23,7 @@ from polar_fast.dialects import (
     Tool,
     ToolCall,
     decode,
+    fold_items,
     json_text,
     openai_error,
     reject_media,
@@ -124,7 +125,7 @@ def _message(i: int, m: _MessageIn) -> Message:
     raise DialectError(f"{where}.role {m.role!r} is not one of system, developer, user, assistant, tool")
 
 
-ITEMS, ITEM = "messages", _MessageIn
+ITEMS, ITEM, REQUEST = "messages", _MessageIn, _Request
 
 
 class _Fold(Fold):
@@ -136,40 +137,47 @@ def parse(body: bytes) -> Conversation:
     return parse_fold(body)[0]
 
 
-def extend(conv: Conversation, fold: Fold) -> Conversation:
-    """`conv` with the messages of `fold`, which holds the same request's items plus or minus
-    some at the end (the rest of the request is unchanged)."""
-    if not fold.messages:
-        raise DialectError("messages must not be empty")
-    return msgspec.structs.replace(conv, messages=fold.messages)
-
-
 def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
     req: _Request = decode(body, _Request, "chat completions")
-    if not req.messages:
-        raise DialectError("messages must not be empty")
+    fold = fold_items(start(req), req.messages)
+    return finish(req, fold), fold
+
+
+def start(req: _Request) -> Fold:
+    """The fold of `req`'s messages before its first one (checks what needs no message)."""
     if req.n not in (None, 1):
         raise DialectError("only n=1 is supported")
-    fold = _Fold([])
-    for i, m in enumerate(req.messages):
-        fold.push(i, m)
+    return _Fold([])
+
+
+def finish(req: _Request, fold: Fold) -> Conversation:
+    """The conversation of `req` whose messages `fold` holds."""
     tools = [
         Tool(name=t.function.name, description=t.function.description or "", parameters=t.function.parameters or {})
         for t in req.tools or ()
         if t.type == "function" and t.function is not None
     ]
-    conv = Conversation(
-        model=req.model,
-        messages=fold.messages,
-        tools=tools,
-        stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
+    return extend(
+        Conversation(
+            model=req.model,
+            messages=fold.messages,
+            tools=tools,
+            stream=bool(req.stream),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+        ),
+        fold,
     )
-    return conv, fold
+
+
+def extend(conv: Conversation, fold: Fold) -> Conversation:
+    """`conv` with the messages of `fold` (from a request that differs from conv's only in them)."""
+    if not fold.messages:
+        raise DialectError("messages must not be empty")
+    return msgspec.structs.replace(conv, messages=fold.messages)
 
 
 def _usage(c: Completion) -> dict[str, int]:

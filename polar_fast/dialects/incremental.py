@@ -23,7 +23,7 @@ from types import ModuleType
 import msgspec
 
 from polar_fast._merge import common_prefix_len, json_array_items, json_value_span
-from polar_fast.dialects import Conversation, DialectError, Fold
+from polar_fast.dialects import Conversation, DialectError, Fold, fold_items
 
 _RECENT = 3  # requests remembered: a harness may interleave a side conversation (titles, summaries)
 
@@ -87,19 +87,26 @@ class IncrementalParser:
         k = bisect_right(last.ends, shared)  # items whose bytes are all shared
         if k == 0 and shared <= last.open:
             return None
-        tail = memoryview(last.body)[last.close :]
         scanned = json_array_items(body, last.ends[k - 1] if k else last.open, after_item=k > 0)
         if scanned is None:
             return None
         spans, close = scanned
-        if len(body) - close != len(tail) or not body.endswith(tail):
-            return None
+        tail = memoryview(last.body)[last.close :]
         try:
             items = msgspec.json.decode(b"[" + body[spans[0][0] : spans[-1][1]] + b"]", type=self._item_list) if spans else []
             fold = last.fold.resumed(k)
-            for i, item in enumerate(items, k):
-                fold.push(i, item)
-            conv = self.dialect.extend(last.conv, fold)
+            if len(body) - close == len(tail) and body.endswith(tail):
+                fold_items(fold, items, k)
+                conv = self.dialect.extend(last.conv, fold)
+            else:  # other fields changed (harness metadata, a tool added): decode them, not the items
+                rest = body[: last.open] + b"[]" + body[close + 1 :]
+                if json_value_span(rest, self.dialect.ITEMS) != (last.open, last.open + 2):
+                    return None  # the key again further on: a decoder would take that one
+                req = msgspec.json.decode(rest, type=self.dialect.REQUEST)
+                if self.dialect.start(req).context() != fold.context():
+                    return None  # e.g. a new system prompt: what the items convert to may differ
+                fold_items(fold, items, k)
+                conv = self.dialect.finish(req, fold)
         except (msgspec.DecodeError, msgspec.ValidationError, DialectError):
             return None  # the full parse says what is wrong
         return _Parsed(body, last.open, last.ends[:k] + [e for _, e in spans], close, conv, fold)

@@ -27,6 +27,7 @@ from polar_fast.dialects import (
     Tool,
     ToolCall,
     decode,
+    fold_items,
     openai_error,
     reject_media,
     sse,
@@ -84,7 +85,7 @@ def _text(content: str | list[_Part] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-ITEMS, ITEM = "input", _Item
+ITEMS, ITEM, REQUEST = "input", _Item, _Request
 
 
 class _Fold(Fold):
@@ -144,14 +145,20 @@ def parse(body: bytes) -> Conversation:
 
 def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
     req: _Request = decode(body, _Request, "responses")
+    fold = fold_items(start(req), req.input if isinstance(req.input, list) else ())
+    return finish(req, fold), fold
+
+
+def start(req: _Request) -> Fold:
+    """The fold of `req`'s input items before the first: its instructions (and a string input)."""
     fold = _Fold([Message(role="system", content=req.instructions)] if req.instructions else [])
     if isinstance(req.input, str):
         fold.messages.append(Message(role="user", content=req.input))
-    else:
-        for i, item in enumerate(req.input):
-            fold.push(i, item)
-    if not fold.messages:
-        raise DialectError("input must not be empty")
+    return fold
+
+
+def finish(req: _Request, fold: Fold) -> Conversation:
+    """The conversation of `req` whose messages `fold` holds."""
     tools = [
         Tool(name=t.name, description=t.description or "", parameters=t.parameters or {})
         for t in req.tools or ()
@@ -166,12 +173,11 @@ def parse_fold(body: bytes) -> tuple[Conversation, Fold]:
         temperature=req.temperature,
         top_p=req.top_p,
     )
-    return conv, fold
+    return extend(conv, fold)
 
 
 def extend(conv: Conversation, fold: Fold) -> Conversation:
-    """`conv` with the messages of `fold`, which holds the same request's items plus or minus
-    some at the end (the rest of the request is unchanged)."""
+    """`conv` with the messages of `fold` (from a request that differs from conv's only in them)."""
     if not fold.messages:
         raise DialectError("input must not be empty")
     return msgspec.structs.replace(conv, messages=fold.messages)
