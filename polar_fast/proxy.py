@@ -9,7 +9,8 @@ Routes (each `/v1/...` route also lives under `/s/<token>/v1/...`):
     POST /sessions, GET /sessions/<token>/records, DELETE /sessions/<token>   (admin)
 
 A request's session comes from the path token, else from its API key (`Authorization: Bearer`
-or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: dialect.parse →
+or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: the session's
+incremental parse (dialects/incremental.py: only what the request adds is decoded) →
 History.plan + finish (exact-history ids; only a new suffix is rendered and tokenised, long
 tokenisations in worker threads) → engine.generate → Renderer.parse → record (awaited on disk)
 → reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
