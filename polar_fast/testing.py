@@ -51,6 +51,22 @@ def markdown_replies(path: str = "hello.txt", content: str = "hello from polar_f
     ]
 
 
+def renderer_with_template(tokenizer, template: str | None):
+    """A Renderer for `tokenizer` with another chat template (None: the tokenizer's own)."""
+    from polar_fast.chat.render import Renderer
+
+    if template is None:
+        return Renderer(tokenizer)
+
+    class Tok:  # the real tokenizer with another chat template
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        chat_template = template
+
+    return Renderer(Tok())
+
+
 @dataclass(eq=False)
 class ScriptedProxy:
     proxy: Proxy

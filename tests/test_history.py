@@ -10,9 +10,9 @@ import json
 import pytest
 
 from polar_fast.chat.history import History
-from polar_fast.chat.render import Renderer
 from polar_fast.dialects import Message, Tool, ToolCall
 from polar_fast.model import load_tokenizer
+from polar_fast.testing import renderer_with_template
 
 TOOLS = [Tool(name="bash", description="run", parameters={"type": "object", "properties": {"command": {"type": "string"}}})]
 TOOLS_AT_END = (
@@ -34,22 +34,11 @@ def tokenizer():
     return load_tokenizer("")
 
 
-def _renderer(tokenizer, template: str | None) -> Renderer:
-    if template is None:
-        return Renderer(tokenizer)
-
-    class Tok:  # the real tokenizer with another chat template
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        chat_template = template
-
-    return Renderer(Tok())
 
 
 @pytest.mark.parametrize("template", [None, TOOLS_AT_END, SYSTEM_LAST], ids=["fallback", "tools_at_end", "system_last"])
 def test_suffix_prompts_equal_whole_render_reference(tokenizer, template):
-    r = _renderer(tokenizer, template)
+    r = renderer_with_template(tokenizer, template)
     history = History(r)
     msgs = [Message(role="system", content="You are terse. " * 40), Message(role="user", content="fix the bug")]
     reference: list[int] = []
@@ -81,5 +70,5 @@ def test_suffix_prompts_equal_whole_render_reference(tokenizer, template):
 
 def test_tools_reach_suffix_probe(tokenizer):
     tkey = b"k"
-    assert not _renderer(tokenizer, None).tools_reach_suffix(TOOLS, tkey)
-    assert _renderer(tokenizer, TOOLS_AT_END).tools_reach_suffix(TOOLS, tkey)
+    assert not renderer_with_template(tokenizer, None).tools_reach_suffix(TOOLS, tkey)
+    assert renderer_with_template(tokenizer, TOOLS_AT_END).tools_reach_suffix(TOOLS, tkey)

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polar_fast.chat import skeleton as sk
-from polar_fast.chat.render import Renderer
 from polar_fast.dialects import Message, Tool, ToolCall
 from polar_fast.model import load_tokenizer
+from polar_fast.testing import renderer_with_template
 
 TOOLS = [Tool(name="bash", description="run", parameters={"type": "object", "properties": {"command": {"type": "string"}}})]
 ID_IN_RESULT = (  # prints each tool result's call id; tools listed at the end of every render
@@ -38,17 +38,6 @@ def tokenizer():
     return load_tokenizer("")
 
 
-def _renderer(tokenizer, template: str | None) -> Renderer:
-    if template is None:
-        return Renderer(tokenizer)
-
-    class Tok:  # the real tokenizer with another chat template
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        chat_template = template
-
-    return Renderer(Tok())
 
 
 _texts = st.text(max_size=30) | st.sampled_from(["", " padded \n", "<|im_end|>", "</tool_response>", '{"a": "\\""}', "é\u2028"])
@@ -68,7 +57,7 @@ _replies = st.sampled_from([
 
 @pytest.mark.parametrize("template", [None, ID_IN_RESULT], ids=["fallback", "id_in_result"])
 def test_skeleton_text_equals_jinja(tokenizer, template):
-    r = _renderer(tokenizer, template)
+    r = renderer_with_template(tokenizer, template)
 
     @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(_replies, _new, st.booleans())
@@ -82,7 +71,7 @@ def test_skeleton_text_equals_jinja(tokenizer, template):
 
 
 def test_a_template_that_trims_gets_no_skeleton(tokenizer):
-    r = _renderer(tokenizer, TRIMS)
+    r = renderer_with_template(tokenizer, TRIMS)
     reply, new = Message(role="assistant", content="ok"), [Message(role="user", content="  spaced  ")]
     for _ in range(5):
         assert r.skeletons.text_after(HEAD, reply, new, [], b"") == r.text_after([*HEAD, reply, *new], [], 3)
@@ -90,7 +79,7 @@ def test_a_template_that_trims_gets_no_skeleton(tokenizer):
 
 
 def test_a_template_that_reads_the_text_is_caught_by_a_checked_or_audited_use(tokenizer, monkeypatch):
-    r = _renderer(tokenizer, BRANCHES_ON_TEXT)
+    r = renderer_with_template(tokenizer, BRANCHES_ON_TEXT)
     reply = Message(role="assistant", content="ok")
     plain, failing = [Message(role="user", content="fine")], [Message(role="user", content="ERROR: no")]
     jinja = lambda new: r.text_after([*HEAD, reply, *new], [], 3)  # noqa: E731
