@@ -153,12 +153,14 @@ class Renderer:
             if len(self._cache) > _CACHE_TURNS:
                 self._cache.popitem(last=False)
 
-    def text_after(self, messages: list[Message], tools: list[Tool], n_through: int, *, tools_key: bytes = b"") -> str | None:
+    def text_after(
+        self, messages: list[Message], tools: list[Tool], n_through: int, *, tools_key: bytes | None = None
+    ) -> str | None:
         """Rendered text (with the generation prompt) after the end-of-turn that closes
         messages[n_through - 1], or None when the template does not close it with one. Its
-        position is the end-of-turn count of the render of messages[:n_through]: that render is
-        skipped when the count is known for messages of the same shape (`tools_key` names the
-        tools; pass it only for short message lists, it keys a cache)."""
+        position is the end-of-turn count of the render of messages[:n_through]. With
+        `tools_key` (naming `tools`, b"" for none; only for short stand-in conversations, it
+        keys a cache), that render is skipped when messages of the same shape were counted."""
         n_ends = self._ends_through(messages[:n_through], tools, tools_key)
         text = self.text(messages, tools, generation_prompt=True)
         at = -len(self.eot)
@@ -168,12 +170,12 @@ class Renderer:
                 return None
         return text[at + len(self.eot) :] if n_ends else None
 
-    def _ends_through(self, messages: list[Message], tools: list[Tool], tools_key: bytes) -> int:
+    def _ends_through(self, messages: list[Message], tools: list[Tool], tools_key: bytes | None) -> int:
         """End-of-turn marks in the render of `messages`. A template prints them per turn, not
         per character of content: messages with the same roles and the same fields set give
         the same count, unless a text holds the mark itself (then it is counted afresh)."""
         shape = None
-        if tools_key or not tools:
+        if tools_key is not None and (tools_key or not tools):
             eot = self.eot
             shape = (tools_key, *(
                 (m.role, bool(m.content), bool(m.reasoning), tuple(bool(c.arguments) for c in m.tool_calls), bool(m.tool_call_id))
