@@ -4,12 +4,15 @@ A harness resends the whole conversation on every call (~100 kB late in a run) a
 message or two: decoding it all again was the proxy's largest cost per call. We keep the last
 requests' bytes, the byte spans of their conversation items (the dialect's `ITEMS` array, found
 by `_merge.json_value_span` / `json_array_items`) and their parse state (`Fold` marks). A new
-request that shares a byte prefix covering the first k items of one of them, and the exact bytes
-after its item array, decodes only items k.. (msgspec), resumes the fold after item k - 1 and
-keeps every other field of the earlier Conversation (all of their bytes are unchanged).
+request that shares a byte prefix covering the first k items of one of them decodes only items
+k.. (msgspec) and resumes the fold after item k - 1. When the bytes after its item array are
+unchanged too, every other field of the earlier Conversation is kept; when they changed (Codex
+sends a new turn id each call, Claude Code a changed tool list) the request is decoded without
+its items, and the fold resumes only if what it depends on (system prompt, tool definitions) is
+unchanged.
 
-Everything else (a session's first request, changed tools or system prompt, an edited older
-message beyond the shared prefix, a malformed body) is a full parse, which also produces every
+Everything else (a session's first request, a new system prompt, an edited message before the
+shared prefix ends, a malformed body) is a full parse, which also produces every
 error message: the incremental path never raises and never answers differently (tests compare
 it with the full parse on random edits). Reused messages are the same objects, so history
 matching compares them by identity.
