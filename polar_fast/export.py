@@ -80,7 +80,7 @@ def export_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     for call in completed_calls:
         if call.rollout_id in kept:
             calls[call.rollout_id].append(call)
-    completed_exchanges, incomplete = whole_exchanges(r for r in contents.records if isinstance(r, ExchangeRecord))
+    completed_exchanges, incomplete_exchanges = whole_exchanges(r for r in contents.records if isinstance(r, ExchangeRecord))
     for exchange in completed_exchanges:
         if exchange.rollout_id in kept:
             exchanges[exchange.rollout_id].append(exchange)
@@ -97,7 +97,7 @@ def export_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     out.mkdir(parents=True, exist_ok=True)
     _write(out, "chat", chat_rows.rows, _chat_schema())
     _write(out, "tokens", token_rows.rows, _token_schema())
-    return _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete, incomplete_calls)
+    return _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete_calls, incomplete_exchanges)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -311,7 +311,7 @@ def _write(out: Path, stem: str, rows: list[dict], schema) -> None:
     tmp.replace(out / f"{stem}.parquet")
 
 
-def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete, incomplete_calls) -> str:
+def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete_calls, incomplete_exchanges) -> str:
     scored = len({r.rollout_id for r in contents.rollouts})
     lines = [
         f"{len(kept)} of {scored} rollouts kept (outcome ok, reward >= {min_reward:g})",
@@ -324,8 +324,8 @@ def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, i
     if missing:
         lines.append(f"note: {missing} kept rollouts have no exchange records (logged before exchanges existed): "
                      "token rows only")
-    if incomplete or incomplete_calls:
-        lines.append(f"note: {incomplete_calls} call and {incomplete} exchange records left out: the earlier "
+    if incomplete_calls or incomplete_exchanges:
+        lines.append(f"note: {incomplete_calls} call and {incomplete_exchanges} exchange records left out: the earlier "
                      "record holding the start of their prompt or conversation is missing from the log")
     if contents.torn_bytes:
         lines.append(f"note: records.log ends in {contents.torn_bytes} torn bytes ({contents.torn_reason}); "
