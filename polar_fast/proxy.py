@@ -15,7 +15,8 @@ History.plan + finish (exact-history ids; only a new suffix is rendered and toke
 tokenisations in worker threads) → engine.generate → Renderer.parse → record (awaited on disk)
 → reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
 unknown session 401, unknown route 404, body over `proxy.max_body_bytes` 413, engine down 503,
-engine timeout 504, other engine failure 502; a 500 means a bug here. Handler cancellation
+engine timeout 504, other engine failure 502, a call whose record cannot be written 503 (it is
+then not part of the session's history either); a 500 means a bug here. Handler cancellation
 stays off (aiohttp default), so a client hanging up never tears a record in half.
 """
 
@@ -138,6 +139,10 @@ def _dialect_of(request: web.Request) -> ModuleType:
     return anthropic if "anthropic-version" in request.headers else chat
 
 
+class RecordFailed(Exception):
+    """A call's record could not be written (disk full, log gone): the call fails with 503."""
+
+
 _KIND_OF_STATUS = {401: "authentication", 404: "not_found", 413: "too_large"}
 
 
@@ -153,6 +158,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except DialectError as e:
         return _error_response(request, e.status, e.kind, e.message)
+    except RecordFailed as e:
+        return _error_response(request, 503, "record", str(e))
     except EngineError as e:
         kind = "timeout" if isinstance(e, EngineTimeout) else "engine"
         return _error_response(request, e.status, kind, f"inference engine: {e}")
@@ -345,7 +352,6 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
             prompt_tokens=len(prompt.ids),
             completion_tokens=len(gen.token_ids),
         )
-        session.history.remember(prompt, gen.token_ids, completion.as_message(), call_index=session.n_calls)
         prompt_ids, history = prompt.ids, prompt.history
         extends_call, n_extended = prompt.extends_call, prompt.n_extended
     record = CallRecord(
@@ -365,12 +371,19 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         n_prefix=n_extended,
     )
     session.n_calls += 1
-    exchange = _exchange(state, session, record.call_index, conv, completion, dialect)
-    # Both in one batch of the writer (the exchange feeds SFT export).
+    reply_message = completion.as_message()
+    exchange = _exchange(state, session, record.call_index, conv, reply_message, dialect)
+    # Both in one write of the writer (the exchange feeds SFT export).
     call_frame = encode_frame(record)
+    try:
+        await state.recorder.put(call_frame, exchange)
+    except Exception as e:
+        raise RecordFailed(f"the call could not be recorded ({type(e).__name__}: {e}); no reply goes out without its record, retry") from e
+    # Only a call on disk becomes a base: later records store their prompts as deltas from it.
     session.call_frames.append(call_frame)
-    await state.recorder.put(call_frame, exchange)
     session.last_exchange = (record.call_index, conv.messages)
+    if state.cfg.engine.render != "engine":
+        session.history.remember(prompt, gen.token_ids, reply_message, call_index=record.call_index)
     meta = ReplyMeta(id=_reply_id(), created=int(started_at), model=conv.model or state.cfg.model.name)
     if not conv.stream:
         return web.Response(body=dialect.reply(completion, meta), content_type="application/json")
@@ -381,7 +394,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
 
 
 def _exchange(
-    state: ProxyState, session: Session, call_index: int, conv: Conversation, completion: Completion, dialect: ModuleType
+    state: ProxyState, session: Session, call_index: int, conv: Conversation, reply: Message, dialect: ModuleType
 ) -> ExchangeRecord:
     """The call's exchange record, holding only the messages its request added to the session's
     last recorded one (see ExchangeRecord)."""
@@ -393,7 +406,7 @@ def _exchange(
     return ExchangeRecord(
         session_id=session.session_id, rollout_id=session.rollout_id, group_id=session.group_id,
         call_index=call_index, model=state.cfg.model.name, dialect=dialect.NAME,
-        messages=messages[n:] if n else messages, tools=conv.tools, reply=completion.as_message(),
+        messages=messages[n:] if n else messages, tools=conv.tools, reply=reply,
         prefix_call=prefix_call if n else -1, n_prefix=n,
     )
 

@@ -3,8 +3,9 @@
 `put()` waits until the record is on disk (appended, and fsynced when the log says so), so the
 proxy can finish a reply knowing its record survives a crash. A full queue makes `put()` wait:
 backpressure instead of unbounded memory. Appends run in a worker thread (file writes block);
-the writer takes everything queued at once and appends it in one thread hop. `run()` is meant
-for the app's TaskGroup; `close()` lets it finish what is queued and return.
+the writer takes everything queued at once and appends it in one thread hop and one write. A
+put whose records could not be appended raises that error, and none of its records stays in the
+log. `run()` is meant for the app's TaskGroup; `close()` lets it finish what is queued and return.
 """
 
 from __future__ import annotations
@@ -49,24 +50,37 @@ class Recorder:
                 batch.append(self._queue.get_nowait())
             items = [item for item in batch if item is not None]
             if items:
-                try:
-                    await asyncio.to_thread(self._append, [record for records, _ in items for record in records])
-                except OSError as e:  # disk full, log removed: the calls fail loudly, the proxy stays up
-                    for _, done in items:
-                        if not done.done():
-                            done.set_exception(e)
-                else:
-                    for _, done in items:
-                        if not done.done():  # its caller may have gone away
-                            done.set_result(None)
-                    self._written += sum(len(records) for records, _ in items)
+                outcomes = await asyncio.to_thread(self._write, [records for records, _ in items])
+                for (records, done), error in zip(items, outcomes):
+                    if error is None:
+                        self._written += len(records)
+                    if done.done():  # its caller went away
+                        continue
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
                 self._batches += 1
             if batch[-1] is None:
                 return
 
-    def _append(self, records: list[Record | bytes]) -> None:
-        for record in records:
-            self.log.append(record)
+    def _write(self, puts: list[tuple[Record | bytes, ...]]) -> list[Exception | None]:
+        """Append a batch in one write; when that fails, each put's records on their own, so a
+        failure (disk full, log removed, a record that will not encode) fails only the puts it
+        reaches, each loudly and with nothing of it left in the log. The proxy stays up."""
+        try:
+            self.log.append_all([record for records in puts for record in records])
+            return [None] * len(puts)
+        except Exception:
+            pass
+        outcomes: list[Exception | None] = []
+        for records in puts:
+            try:
+                self.log.append_all(records)
+                outcomes.append(None)
+            except Exception as e:
+                outcomes.append(e)
+        return outcomes
 
     def statistics(self) -> RecorderStatistics:
         return RecorderStatistics(queued=self._queue.qsize(), written=self._written, batches=self._batches)

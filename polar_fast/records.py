@@ -18,6 +18,7 @@ before a crash is lost. Appends reopen nothing and never rewrite earlier bytes.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import struct
 from array import array
@@ -154,8 +155,9 @@ def decode_frame(frame: bytes) -> Record:
 
 
 class RecordLog:
-    """Append-only record file. One `os.write` per frame, so concurrent appenders never interleave
-    bytes within a frame (O_APPEND). `fsync=True` makes each append durable before it returns.
+    """Append-only record file with one appender at a time (the proxy's Recorder). Each append is
+    one `os.write` that lands whole or is cut back off (see `append_all`); `fsync=True` makes
+    each append durable before it returns.
 
     Opening an existing log first cuts off a torn tail left by a crash (`repaired_bytes` says how
     much), so records appended by a resumed run stay readable after the old ones."""
@@ -174,12 +176,27 @@ class RecordLog:
 
     def append(self, record: Record | bytes) -> None:
         """Append a record, or a frame already made by `encode_frame`."""
-        frame = record if isinstance(record, bytes) else encode_frame(record)
-        written = os.write(self._fd, frame)
-        if written != len(frame):  # a regular file only short-writes when the disk is full
-            raise OSError(f"short write to {self.path}: {written} of {len(frame)} bytes")
-        if self._fsync:
-            os.fsync(self._fd)
+        self.append_all([record])
+
+    def append_all(self, records: Sequence[Record | bytes]) -> None:
+        """Append records (or frames) all together or not at all: one write, and when it fails
+        (disk full, file size limit, I/O error) the file is cut back to where it ended, so a
+        half-written frame never sits in front of the records appended after it (a reader
+        would stop there and lose them) and a call record never lands without its exchange."""
+        data = b"".join(r if isinstance(r, bytes) else encode_frame(r) for r in records)
+        end = os.fstat(self._fd).st_size  # this writer is the log's only appender (see Recorder)
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):  # a regular file only short-writes when it cannot grow
+                raise OSError(errno.ENOSPC, f"short write to {self.path}: {written} of {len(data)} bytes")
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, end)
+            except OSError:  # the next open cuts the torn tail off (see __init__)
+                pass
+            raise
 
     def close(self) -> None:
         if self._fd >= 0:

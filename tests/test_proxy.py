@@ -351,3 +351,26 @@ async def test_generation_reports_its_own_version(tmp_path):
         async with http.post(px.base_url + PATHS["chat"], json=simple_request("chat")) as r:
             assert (await r.json())["choices"][0]["message"]["content"] == ""
         assert [c.policy_version for c in await px.records()] == [3]
+
+
+def test_a_call_that_cannot_be_recorded_fails_alone_and_leaves_the_log_whole(tmp_path):
+    """Disk full while a call is recorded: that call gets a 503 in its dialect and leaves no
+    bytes in the log; it does not become a base of exact history, so the retry extends the
+    call before it and every logged call reads back whole."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("record_failure_run.py")
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["failed"]["status"] == 503
+    assert "could not be recorded" in out["failed"]["body"]["error"]["message"]
+    assert out["size_after_failure"] == out["size_before"]  # the 16 bytes that fitted were cut off
+    assert out["alive"] == 200 and out["retried"] == 200
+    first, second = out["served"]
+    assert [first[:2], second[:2]] == [[0, "render:first_call"], [2, "exact"]]  # call 1 failed
+    assert second[2][: len(first[2]) + len(first[3])] == first[2] + first[3]
+    assert out["logged"] == out["served"] and out["torn_bytes"] == 0
+    assert out["logged_exchanges"] == [1, 3]

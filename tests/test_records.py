@@ -230,3 +230,28 @@ def test_kill_9_mid_stream_loses_nothing_written(tmp_path):
     contents = read_log(path)
     indices = [c.call_index for c in contents.calls]
     assert len(indices) >= 200 and indices == list(range(len(indices)))
+
+
+def test_a_failed_put_fails_alone_and_leaves_nothing_in_the_log(tmp_path):
+    """Three puts in one writer batch, the middle one unwritable: the batch's one write fails,
+    each put is then written on its own, and only the middle one raises."""
+    import asyncio
+
+    from polar_fast.recorder import Recorder
+
+    bad = msgspec.structs.replace(make_call(1), dialect=object())  # msgpack cannot encode it
+
+    async def main() -> list:
+        with RecordLog(tmp_path / "calls.log") as log:
+            recorder = Recorder(log)
+            puts = [asyncio.ensure_future(recorder.put(r)) for r in (make_call(0), bad, make_call(2))]
+            await asyncio.sleep(0)  # all three queued before the writer starts: one batch
+            recorder.close()
+            await recorder.run()
+            assert recorder.statistics().batches == 1 and recorder.statistics().written == 2
+            return await asyncio.gather(*puts, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert outcomes[0] is None and outcomes[2] is None and isinstance(outcomes[1], TypeError)
+    contents = read_log(tmp_path / "calls.log")
+    assert contents.calls == [make_call(0), make_call(2)] and contents.torn_bytes == 0
