@@ -54,6 +54,26 @@ def test_growing_conversation_is_parsed_incrementally(harness, changing_tail):
     assert parser.n_full == 1 and parser.n_incremental == len(items) - 1
 
 
+@pytest.mark.parametrize("harness", sorted(DIALECTS))
+def test_a_side_conversation_in_between_keeps_the_main_one_incremental(harness):
+    """Harnesses interleave short side calls (titles, summaries): the main conversation's next
+    request still extends its own last request, not the side call parsed after it."""
+    dialect, doc = DIALECTS[harness], REQUESTS[harness]
+    items = doc[dialect.ITEMS]
+    side = _body(doc | {dialect.ITEMS: [items[0], items[0]], "model": "side-model"}, compact=True)
+    parser = IncrementalParser(dialect)
+    previous = None
+    for n in range(1, len(items) + 1):
+        body = _body(doc | {dialect.ITEMS: items[:n]}, compact=True)
+        conv = parser.parse(body)
+        assert conv == dialect.parse(body)
+        if previous is not None:  # decoded from the main conversation's last request
+            assert sum(a is b for a, b in zip(previous.messages, conv.messages)) >= len(previous.messages) - 1
+        previous = conv
+        assert parser.parse(side) == dialect.parse(side)
+    assert parser.n_full == 2 and parser.n_incremental == 2 * len(items) - 2
+
+
 _EDITS = st.sampled_from(
     ["grow", "grow", "grow", "same", "edit_old", "drop", "field", "tail_field", "system", "dup_key", "bad_item", "cut", "flip", "other", "spaces"]
 )

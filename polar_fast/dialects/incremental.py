@@ -53,11 +53,14 @@ class IncrementalParser:
 
     def parse(self, body: bytes) -> Conversation:
         if self._recent:
-            best, shared = self._recent[-1], -1
-            for recent in self._recent:
-                n = common_prefix_len(recent.body, body)
-                if n > shared:
-                    best, shared = recent, n
+            best = self._recent[-1]
+            shared = common_prefix_len(best.body, body)
+            if shared < best.ends[-1] if best.ends else shared <= best.open:
+                # not an extension of all of the last request's items: maybe of an earlier one
+                for recent in self._recent[:-1]:
+                    n = common_prefix_len(recent.body, body)
+                    if n > shared:
+                        best, shared = recent, n
             parsed = self._extend(best, body, shared)
             if parsed is not None:
                 self.n_incremental += 1
