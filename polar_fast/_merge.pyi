@@ -85,6 +85,10 @@ def json_array_items(body: bytes, at: int, *, after_item: bool = False) -> tuple
 def common_prefix_len(a: bytes, b: bytes) -> int:
     """Length of the longest common prefix of `a` and `b`."""
 
+def json_int32s(ids: Any) -> bytes:
+    """JSON of `list(ids)` (byte for byte what msgspec writes) from a non-empty contiguous
+    int32 buffer such as `array("i")`; ValueError or BufferError for anything else."""
+
 def msgpack_int32s(ids: Any) -> bytes:
     """MessagePack of `list(ids)` (byte for byte what msgspec writes) from a contiguous int32
     buffer such as `array("i")` or a memoryview slice of one; ValueError for anything else."""

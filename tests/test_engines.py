@@ -1,15 +1,21 @@
 """Engines: scripted replies, and the vLLM client against a fake `vllm serve` (a real aiohttp app
-on 127.0.0.1:0): token-id prompts, logprobs, the data-parallel rank header, retries, 503."""
+on 127.0.0.1:0): token-id prompts, logprobs, the data-parallel rank header, retries, 503; the
+prompt's JSON and the cut of vLLM's prompt echo agree with plain msgspec (property tests)."""
 
 from __future__ import annotations
 
+from array import array
+
+import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polar_fast.engines import ENGINES, EngineFailed, EngineUnavailable, Sampling
 from polar_fast.engines.scripted import ScriptedEngine
-from polar_fast.engines.vllm import VllmEngine
+from polar_fast.engines.vllm import VllmEngine, _completion_decoder, prompt_json, without_prompt_echo
 
 pytestmark = pytest.mark.anyio
 
@@ -38,9 +44,9 @@ async def _fake_vllm(fail_first: int = 0):
             failures["left"] -= 1
             return web.Response(status=503, text="busy")
         ids = [len(body["prompt"]), 2]
-        return web.json_response(
-            {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.25, -0.5]}, "finish_reason": "stop"}]}
-        )
+        return web.json_response({"choices": [{  # as vLLM >= 0.10.2 answers return_token_ids
+            "prompt_token_ids": body["prompt"], "token_ids": ids, "logprobs": {"token_logprobs": [-0.25, -0.5]},
+            "finish_reason": "stop"}]})
 
     async def chat(request):
         body = await request.json()
@@ -67,8 +73,10 @@ async def test_vllm_generate_with_rank_header_and_retries():
         assert (gen.token_ids, gen.logprobs, gen.finish_reason) == ([3, 2], [-0.25, -0.5], "stop")
         body, headers = seen[-1]
         assert body["prompt"] == [7, 8, 9] and body["return_token_ids"] and body["logprobs"] == 0 and body["seed"] == 3
+        gen = await engine.generate(array("i", [70000, -1, 0]), Sampling(max_tokens=5), session_id="abc")  # what the proxy renders
+        assert seen[-1][0]["prompt"] == [70000, -1, 0] and gen.token_ids == [3, 2]
         assert headers["X-data-parallel-rank"] == str(engine.rank_of("abc"))
-        assert len(seen) == 2  # one 503, retried
+        assert len(seen) == 3  # one 503, retried
         reply = await engine.chat([{"role": "user", "content": "hi"}], [], Sampling(), session_id="abc")
         assert reply.prompt_ids == [1, 2, 3] and reply.generation.logprobs == [-0.1, -0.2]
     finally:
@@ -96,3 +104,49 @@ async def test_vllm_bad_reply_is_engine_failure():
         await engine.generate([1], Sampling())
     await engine.aclose()
     await server.close()
+
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@given(st.lists(INT32, max_size=300))
+def test_prompt_json_is_what_msgspec_writes(ids):
+    assert bytes(prompt_json(array("i", ids))) == msgspec.json.encode(ids) == bytes(prompt_json(ids))
+
+
+_ECHO = st.one_of(st.lists(INT32, max_size=40), st.none(), st.text(max_size=20), st.lists(st.lists(INT32, max_size=3), max_size=3))
+_TEXT = st.one_of(st.text(max_size=30), st.sampled_from(['"prompt_token_ids":[1,2]', 'x"prompt_token_ids":[', ']"prompt_token_ids"']))
+
+
+@st.composite
+def _replies(draw):
+    choice = {"text": draw(_TEXT), "token_ids": draw(st.lists(INT32, max_size=5)), "finish_reason": draw(st.sampled_from(["stop", "length", None]))}
+    choice["logprobs"] = {"token_logprobs": [-0.5] * len(choice["token_ids"])}
+    keys = draw(st.permutations(["prompt_token_ids", "text", "token_ids", "finish_reason", "logprobs"]))
+    choice["prompt_token_ids"] = draw(_ECHO)
+    reply = {"choices": [{k: choice[k] for k in keys}]}
+    if draw(st.booleans()):
+        reply["prompt_token_ids"] = draw(_ECHO)  # some servers echo at the top level too
+    return reply
+
+
+def _same_but_echo(a, b) -> bool:
+    """b equals a, except that a `prompt_token_ids` list may have become None."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(
+            (k == "prompt_token_ids" and b[k] is None and isinstance(a[k], list)) or _same_but_echo(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same_but_echo(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@settings(max_examples=500)
+@given(_replies(), st.booleans())
+def test_cutting_the_prompt_echo_changes_nothing_the_engine_reads(reply, spaced):
+    raw = (msgspec.json.encode(reply) if not spaced else msgspec.json.format(msgspec.json.encode(reply), indent=1))
+    cut = without_prompt_echo(raw)
+    assert _same_but_echo(reply, msgspec.json.decode(cut))
+    assert _completion_decoder.decode(cut) == _completion_decoder.decode(raw)
+    echo = reply["choices"][0]["prompt_token_ids"]
+    if not spaced and isinstance(echo, list) and all(isinstance(i, int) for i in echo):
+        assert msgspec.json.decode(cut)["choices"][0]["prompt_token_ids"] is None  # the usual shape is cut
