@@ -17,7 +17,12 @@ session's first must be an exact-history extension. Last line:
 RESULT added_p50_ms=X added_p99_ms=Y rps_ratio=Z floor_added_p50_ms=F   (X, Y, F at concurrency 64
 streaming; Z = proxy requests/s / direct requests/s at concurrency 256, streaming).
 
-    .venv/bin/python bench/proxy_bench.py [--quick] [--render-threads N] [--profile FILE]
+`--engine vllm` puts production's engine client in the proxy: the proxy's `VllmEngine` talks HTTP
+to a fake `vllm serve` (own process, on the client's cores, as a GPU server has its own) that
+answers `/v1/completions` as vLLM does, echoing the prompt; direct calls post the same request
+bodies, made before timing. The added latency then includes sending each prompt as JSON.
+
+    .venv/bin/python bench/proxy_bench.py [--quick] [--engine scripted|vllm] [--render-threads N] [--profile FILE]
 
 `--profile` writes a cProfile of the proxy process (event-loop thread); for worker threads use
 a sampling profiler on the `--serve` child (py-spy --threads).
@@ -81,9 +86,10 @@ class _Discard(list):
         pass
 
 
-def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int = 1) -> None:
+def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int = 1, vllm_url: str = "") -> None:
     from polar_fast.config import parse_config
     from polar_fast.engines.scripted import ScriptedEngine
+    from polar_fast.engines.vllm import VllmEngine
     from polar_fast.model import load_tokenizer
     from polar_fast.proxy import serve as serve_proxy
     from polar_fast.records import RecordLog
@@ -91,8 +97,11 @@ def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int
     async def main() -> None:
         cfg = parse_config({"engine": {"kind": "scripted"}, "model": {"max_context_tokens": 1 << 20}, "proxy": {"history_max_calls": 4, "render_threads": render_threads}})
         tok = load_tokenizer("")
-        engine = ScriptedEngine([TOOL_CALL], tok, delay_s=delay_s, cycle=True)
-        engine.prompts = _Discard()
+        if vllm_url:  # production's engine client, against the fake `vllm serve` (serve_vllm)
+            engine = VllmEngine(vllm_url, model="m", timeout_s=60)
+        else:
+            engine = ScriptedEngine([TOOL_CALL], tok, delay_s=delay_s, cycle=True)
+            engine.prompts = _Discard()
         log = RecordLog(Path(port_file).with_suffix(".log"))
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -137,6 +146,46 @@ def serve_floor(port_file: str, delay_s: float) -> None:
         app = web.Application(client_max_size=1 << 26)
         app.router.add_post("/sessions", session)
         app.router.add_post("/s/{token}/v1/chat/completions", complete)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        Path(port_file).write_text(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        await stop.wait()
+        await runner.cleanup()
+
+    uvloop.run(main())
+
+
+def serve_vllm(port_file: str, delay_s: float) -> None:
+    """A fake `vllm serve` for `--engine vllm`: POST /v1/completions waits the engine's latency
+    and answers as vLLM >= 0.10.2 does with `return_token_ids` (the prompt echoed as
+    `prompt_token_ids`, the sampled ids, their logprobs), the prompt's bytes spliced in rather
+    than decoded: a GPU server does that work on its own CPUs, not on this machine's."""
+    from aiohttp import web
+
+    from polar_fast._merge import json_value_span
+    from polar_fast.model import load_tokenizer
+
+    tok = load_tokenizer("")
+    ids = list(tok.encode(TOOL_CALL)) + [tok.eos_token_id]
+    choice_start = b'{"id":"cmpl-0","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":'
+    choice_start += msgspec.json.encode(TOOL_CALL) + b',"logprobs":{"token_logprobs":' + msgspec.json.encode([-0.01] * len(ids))
+    choice_start += b'},"finish_reason":"stop","stop_reason":null,"prompt_logprobs":null,"prompt_token_ids":'
+    choice_end = b',"token_ids":' + msgspec.json.encode(ids) + b'}],"usage":{"prompt_tokens":0,"completion_tokens":%d}}' % len(ids)
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.read()
+        span = json_value_span(body, "prompt")
+        assert span is not None, body[:200]
+        await asyncio.sleep(delay_s)
+        return web.Response(body=b"".join((choice_start, body[span[0] : span[1]], choice_end)), content_type="application/json")
+
+    async def main() -> None:
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -239,17 +288,28 @@ async def run_proxy(root: str, args, concurrency: int, stream: bool) -> tuple[li
     return latencies, len(latencies) / wall, [c["prompt_ids"] for c in records]
 
 
-async def run_direct(engine, prompts: list[list[int]], concurrency: int) -> tuple[list[float], float]:
+async def run_direct(engine, prompts: list[list[int]], concurrency: int, vllm_url: str = "") -> tuple[list[float], float]:
+    """The engine alone: in-process (scripted), or over HTTP with request bodies made before
+    timing (`--engine vllm`: what vLLM's latency would be to a client that costs nothing)."""
     from polar_fast.engines import Sampling
 
     latencies: list[float] = []
     sampling = Sampling(max_tokens=64)
+    bodies = [msgspec.json.encode({"model": "m", "prompt": ids, "max_tokens": 64, "logprobs": 0, "return_token_ids": True}) for ids in prompts]
 
     async def session() -> None:
-        for ids in prompts:
-            t0 = time.perf_counter()
-            await engine.generate(ids, sampling)
-            latencies.append(time.perf_counter() - t0)
+        if not vllm_url:
+            for ids in prompts:
+                t0 = time.perf_counter()
+                await engine.generate(ids, sampling)
+                latencies.append(time.perf_counter() - t0)
+            return
+        async with Connection(vllm_url) as conn:
+            for body in bodies:
+                t0 = time.perf_counter()
+                status, _ = await conn.post("/v1/completions", body)
+                latencies.append(time.perf_counter() - t0)
+                assert status == 200
 
     t0 = time.perf_counter()
     await asyncio.gather(*(session() for _ in range(concurrency)))
@@ -267,7 +327,8 @@ async def bench(root: str, floor_root: str, args, server_pid: int, floor_pid: in
 
     engine = ScriptedEngine([[1] * 30], delay_s=args.delay_ms / 1000, cycle=True)
     engine.prompts = _Discard()
-    print(f"fake engine latency {args.delay_ms} ms, first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
+    kind = "fake vLLM server over HTTP (the vllm engine client in the proxy)" if args.vllm_url else "in-process scripted engine"
+    print(f"engine: {kind}, latency {args.delay_ms} ms; first prompt ~{args.prompt_tokens} tokens, {args.turns} turns/session")
     header = (
         f"{'conc':>5} {'mode':>5} {'n':>5} {'proxy p50':>10} {'p99':>8} {'direct p50':>11} {'p99':>7} {'added p50':>10}"
         f" {'p99':>8} {'floor +p50':>11} {'proxy rps':>10} {'direct rps':>11} {'ratio':>6} {'cpu ms/req':>10} {'floor':>6} {'client':>7}"
@@ -285,7 +346,7 @@ async def bench(root: str, floor_root: str, args, server_pid: int, floor_pid: in
             floor0 = cpu_s(floor_pid)
             lat_f, _ = await run_floor(floor_root, args, concurrency, stream)
             floor_cpu_ms = (cpu_s(floor_pid) - floor0) * 1000 / len(lat_f)
-            lat_d, rps_d = await run_direct(engine, prompts, concurrency)
+            lat_d, rps_d = await run_direct(engine, prompts, concurrency, args.vllm_url)
             added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
             added99 = ms(percentile(lat_p, 0.99) - percentile(lat_d, 0.99))
             floor50 = ms(percentile(lat_f, 0.5) - percentile(lat_d, 0.5))
@@ -322,13 +383,21 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--render-threads", type=int, default=1, help="proxy.render_threads of the proxy process")
     p.add_argument("--profile", default="", help="write a cProfile of the proxy process to this file")
+    p.add_argument(
+        "--engine", choices=["scripted", "vllm"], default="scripted",
+        help="scripted: in-process fake engine; vllm: the proxy's vLLM client against a fake `vllm serve` on the client's cores",
+    )
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--serve-floor", help=argparse.SUPPRESS)
+    p.add_argument("--serve-vllm", help=argparse.SUPPRESS)
+    p.add_argument("--vllm-url", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        return serve(args.serve, args.delay_ms / 1000, args.profile, args.render_threads)
+        return serve(args.serve, args.delay_ms / 1000, args.profile, args.render_threads, args.vllm_url)
     if args.serve_floor:
         return serve_floor(args.serve_floor, args.delay_ms / 1000)
+    if args.serve_vllm:
+        return serve_vllm(args.serve_vllm, args.delay_ms / 1000)
     if args.quick:
         args.turns, args.prompt_tokens = 4, 20000
     delay = ["--delay-ms", str(args.delay_ms)]
@@ -338,19 +407,23 @@ def main() -> None:
     server_cores, client_cores = (set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])) if len(cores) > 1 else (set(cores), set(cores))
     print(f"cores: servers {sorted(server_cores)}, client {sorted(client_cores)}")
     with tempfile.TemporaryDirectory() as tmp:
-        servers = []
+        servers, engine_side = [], []
         try:
-            proxy, root = _start(tmp, "proxy", [*delay, "--profile", args.profile, "--render-threads", str(args.render_threads), "--serve"])
+            if args.engine == "vllm":
+                fake_vllm, args.vllm_url = _start(tmp, "vllm", [*delay, "--serve-vllm"])
+                engine_side.append(fake_vllm)
+            proxy, root = _start(tmp, "proxy", [*delay, "--profile", args.profile, "--render-threads", str(args.render_threads), "--vllm-url", args.vllm_url, "--serve"])
             servers.append(proxy)
             floor, floor_root = _start(tmp, "floor", [*delay, "--serve-floor"])
             servers.append(floor)
-            for server in servers:
-                for tid in os.listdir(f"/proc/{server.pid}/task"):  # affinity is per thread
-                    os.sched_setaffinity(int(tid), server_cores)
+            for group, cores_of_group in ((servers, server_cores), (engine_side, client_cores)):
+                for server in group:
+                    for tid in os.listdir(f"/proc/{server.pid}/task"):  # affinity is per thread
+                        os.sched_setaffinity(int(tid), cores_of_group)
             os.sched_setaffinity(0, client_cores)
             uvloop.run(bench(root, floor_root, args, proxy.pid, floor.pid))
         finally:
-            for server in servers:
+            for server in servers + engine_side:
                 server.terminate()
                 server.wait()
 

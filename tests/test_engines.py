@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from polar_fast.engines import ENGINES, EngineFailed, EngineUnavailable, Sampling
 from polar_fast.engines.scripted import ScriptedEngine
-from polar_fast.engines.vllm import VllmEngine, _completion_decoder, prompt_json, without_prompt_echo
+from polar_fast.engines.vllm import VllmEngine, _completion_decoder
+from polar_fast.engines.vllm_wire import PromptJsonCache, without_prompt_echo
 
 pytestmark = pytest.mark.anyio
 
@@ -109,9 +110,43 @@ async def test_vllm_bad_reply_is_engine_failure():
 INT32 = st.integers(-(2**31), 2**31 - 1)
 
 
-@given(st.lists(INT32, max_size=300))
-def test_prompt_json_is_what_msgspec_writes(ids):
-    assert bytes(prompt_json(array("i", ids))) == msgspec.json.encode(ids) == bytes(prompt_json(ids))
+@st.composite
+def _prompt_steps(draw):
+    """(session, ids) calls as a proxy makes them: mostly a session's last prompt extended, some
+    repeated (a retry), some unrelated (a side call), some plain lists or empty."""
+    last: dict[str, list[int]] = {}
+    steps = []
+    for _ in range(draw(st.integers(1, 25))):
+        session = draw(st.sampled_from(["a", "b", "c", ""]))
+        kind = draw(st.sampled_from(["extend", "extend", "extend", "repeat", "new", "list", "empty"]))
+        ids = last.get(session, [])
+        if kind == "extend":
+            ids = ids + draw(st.lists(INT32, min_size=1, max_size=30))
+        elif kind == "new":
+            ids = draw(st.lists(INT32, min_size=1, max_size=60))
+        elif kind == "empty":
+            ids = []
+        last[session] = ids
+        steps.append((session, array("i", ids) if kind != "list" else list(ids)))
+    return steps
+
+
+@settings(max_examples=300)
+@given(_prompt_steps(), st.sampled_from([64, 400, 256 << 20]))
+def test_prompt_json_is_what_msgspec_writes(steps, max_bytes):
+    cache = PromptJsonCache(max_bytes=max_bytes)
+    for session, ids in steps:
+        assert cache.json(session, ids) == msgspec.json.encode(list(ids))
+        assert cache._bytes <= max_bytes
+
+
+def test_prompt_json_formats_only_what_a_prompt_adds():
+    cache = PromptJsonCache()
+    prompt = array("i", range(1000))
+    for turn in range(5):
+        assert cache.json("s", prompt) == msgspec.json.encode(list(prompt))
+        prompt = prompt + array("i", [turn] * 50)
+    assert cache.hits == 4
 
 
 _ECHO = st.one_of(st.lists(INT32, max_size=40), st.none(), st.text(max_size=20), st.lists(st.lists(INT32, max_size=3), max_size=3))

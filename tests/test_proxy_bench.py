@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
-def test_proxy_bench_small_run_checks_history_and_prints_result():
+
+@pytest.mark.parametrize("engine", ["scripted", "vllm"])
+def test_proxy_bench_small_run_checks_history_and_prints_result(engine):
+    """`vllm`: the proxy's real vLLM client against the bench's fake `vllm serve`."""
     bench = Path(__file__).parents[1] / "bench" / "proxy_bench.py"
     done = subprocess.run(
-        [sys.executable, str(bench), "--quick", "--concurrency", "1", "8"],
+        [sys.executable, str(bench), "--quick", "--concurrency", "1", "8", "--engine", engine],
         capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]

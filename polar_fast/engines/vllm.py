@@ -2,6 +2,8 @@
 
 - `generate`: POST /v1/completions with the prompt as token ids, `return_token_ids` and
   `logprobs=0` (vLLM then returns the logprob of each sampled token), `skip_special_tokens=false`.
+  The prompt's JSON is mostly reused from the session's last call and vLLM's echo of it is cut
+  before decoding (vllm_wire.py): both were the larger part of the proxy's work per call.
 - A session sticks to one data-parallel rank through the `X-data-parallel-rank` header (a stable
   hash of the session id), so its growing prompts hit the same prefix cache.
 - Connection errors and 5xx replies are retried `engine.max_retries` times, then become
@@ -17,13 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from array import array
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import msgspec
 
-from polar_fast._merge import json_int32s
 from polar_fast.engines import EngineFailed, EngineTimeout, EngineUnavailable, Generation, Sampling
+from polar_fast.engines.vllm_wire import PromptJsonCache, without_prompt_echo
 
 if TYPE_CHECKING:
     import aiohttp
@@ -56,40 +57,6 @@ class ChatReply(msgspec.Struct):
 _completion_decoder = msgspec.json.Decoder(_CompletionReply)
 
 
-def prompt_json(ids: Sequence[int]) -> msgspec.Raw:
-    """A prompt's ids as the JSON array vLLM reads, made in Rust from an `array("i")` (what the
-    proxy renders) without a Python int per id: `list()` of a 3e4-id prompt plus its encoding
-    cost ~0.7 ms per call, the Rust path ~0.13 ms (bench/proxy_bench.py --engine vllm)."""
-    if isinstance(ids, array) and ids.typecode == "i" and ids:
-        return msgspec.Raw(json_int32s(ids))
-    return msgspec.Raw(msgspec.json.encode(list(ids)))
-
-
-_ECHO_KEY = b'"prompt_token_ids":'
-
-
-def without_prompt_echo(raw: bytes) -> bytes:
-    """A completion reply with each `"prompt_token_ids":[...]` (vLLM echoes the whole prompt when
-    asked for `return_token_ids`) replaced by null: the decoder skips that field anyway, but
-    skipping ~1e5 digits cost more than the rest of the reply. Only a flat array is cut (no
-    string, array or object inside); anything else is left for the decoder to judge. Inside a
-    JSON string the key's quotes would be escaped, so a match is always a real key."""
-    start = raw.find(_ECHO_KEY)
-    if start < 0:
-        return raw
-    parts = []
-    done = 0
-    while start >= 0:
-        open_ = start + len(_ECHO_KEY)
-        close = raw.find(b"]", open_)
-        if raw[open_ : open_ + 1] != b"[" or close < 0 or any(raw.find(c, open_ + 1, close) >= 0 for c in (b'"', b"[", b"{")):
-            break
-        parts += [raw[done:open_], b"null"]
-        done = close + 1
-        start = raw.find(_ECHO_KEY, done)
-    return b"".join(parts) + raw[done:] if parts else raw
-
-
 class VllmEngine:
     def __init__(
         self,
@@ -111,6 +78,7 @@ class VllmEngine:
         self._dp_size = max(1, data_parallel_size)
         self._retry_delay_s = retry_delay_s
         self._http: aiohttp.ClientSession | None = None
+        self._prompt_json = PromptJsonCache()
 
     @classmethod
     def from_config(cls, cfg: Config) -> VllmEngine:
@@ -176,7 +144,7 @@ class VllmEngine:
     async def generate(
         self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""
     ) -> Generation:
-        body = self._sampling_fields(sampling) | {"prompt": prompt_json(prompt_ids), "logprobs": 0}
+        body = self._sampling_fields(sampling) | {"prompt": msgspec.Raw(self._prompt_json.json(session_id, prompt_ids)), "logprobs": 0}
         raw = await self._post("/v1/completions", body, session_id=session_id)
         try:
             choice = _completion_decoder.decode(without_prompt_echo(raw)).choices[0]

@@ -298,53 +298,20 @@ fn json_int32s<'py>(py: Python<'py>, ids: pyo3::buffer::PyBuffer<i32>) -> PyResu
     let cells = ids
         .as_slice(py)
         .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("ids must be a contiguous int32 buffer"))?;
-    let width = |v: i32| (v < 0) as usize + decimal_digits(v.unsigned_abs());
-    // The exact length first, so the text is written once, into the bytes object itself (a
-    // second buffer of ~1e5 bytes costs as much again in page faults as the formatting).
-    let len = 1 + cells.iter().map(|c| width(c.get()) + 1).sum::<usize>();
-    PyBytes::new_with(py, len, |out: &mut [u8]| {
-        out[0] = b'[';
-        let mut end = 1;
-        for cell in cells {
-            let v = cell.get();
-            let w = width(v);
-            if v < 0 {
-                out[end] = b'-';
-            }
-            let mut rest = v.unsigned_abs();
-            let mut at = end + w; // digits right to left, two per division
-            while rest >= 10 {
-                let pair = (rest % 100) as usize * 2;
-                rest /= 100;
-                at -= 2;
-                out[at..at + 2].copy_from_slice(&DIGIT_PAIRS[pair..pair + 2]);
-            }
-            if at > end + (v < 0) as usize {
-                out[at - 1] = b'0' + rest as u8;
-            }
-            out[end + w] = b',';
-            end += w + 1;
-        }
-        out[end - 1] = b']';
-        Ok(())
-    })
-}
-
-const DIGIT_PAIRS: &[u8; 200] = b"00010203040506070809101112131415161718192021222324252627282930313233343536373839404142434445464748495051525354555657585960616263646566676869707172737475767778798081828384858687888990919293949596979899";
-
-fn decimal_digits(v: u32) -> usize {
-    match v {
-        0..=9 => 1,
-        10..=99 => 2,
-        100..=999 => 3,
-        1_000..=9_999 => 4,
-        10_000..=99_999 => 5,
-        100_000..=999_999 => 6,
-        1_000_000..=9_999_999 => 7,
-        10_000_000..=99_999_999 => 8,
-        100_000_000..=999_999_999 => 9,
-        _ => 10,
+    // One pass into a buffer sized for the widest ids, then one copy (~3 us per 1e5 bytes): a
+    // first pass that measured each id spent more on mispredicted branches than on the digits.
+    let mut out = Vec::with_capacity(2 + 12 * cells.len());
+    let mut digits = itoa::Buffer::new();
+    out.push(b'[');
+    for cell in cells {
+        out.extend_from_slice(digits.format(cell.get()).as_bytes());
+        out.push(b',');
     }
+    match out.last_mut() {
+        Some(last @ b',') => *last = b']',
+        _ => out.push(b']'),
+    }
+    Ok(PyBytes::new(py, &out))
 }
 
 #[pymodule]

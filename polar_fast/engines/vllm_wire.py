@@ -1,0 +1,76 @@
+"""The vLLM wire's two big parts, made cheaply: the prompt's JSON going out, the prompt's echo
+coming back.
+
+A session's prompts grow call by call (exact history: each one is the last one plus the model's
+reply plus the new turn), and `/v1/completions` takes the whole prompt as JSON every time: 1e4-1e5
+ids. `PromptJsonCache` keeps each session's last prompt with its JSON and formats only the ids a
+new prompt adds (in Rust, `_merge.json_int32s`). vLLM answers `return_token_ids` by echoing the
+whole prompt back; `without_prompt_echo` cuts that out before the reply is decoded.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Sequence
+
+import msgspec
+
+from polar_fast._merge import json_int32s
+
+
+class PromptJsonCache:
+    """`json(session_id, ids)` is `msgspec.json.encode(list(ids))`, reusing the session's last
+    prompt's JSON when `ids` extends it. Keeps at most `max_bytes` (ids + JSON, ~10 bytes per id),
+    least recently used sessions dropped first."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        # session id -> (its last prompt's ids as bytes: immutable, unlike the caller's array; JSON)
+        self._last: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+        self.hits = 0  # prompts that extended or repeated the session's last one
+
+    def json(self, session_id: str, ids: Sequence[int]) -> bytes:
+        if not (isinstance(ids, array) and ids.typecode == "i" and ids):
+            return msgspec.json.encode(list(ids))
+        raw = ids.tobytes()
+        last = self._last.pop(session_id, None)
+        if last is not None:
+            self._bytes -= len(last[0]) + len(last[1])
+        if last is not None and raw.startswith(last[0]):
+            self.hits += 1
+            n = len(last[0]) // ids.itemsize
+            text = last[1] if n == len(ids) else b",".join((memoryview(last[1])[:-1], memoryview(json_int32s(ids[n:]))[1:]))
+        else:
+            text = json_int32s(ids)
+        if session_id and len(raw) + len(text) <= self._max_bytes:
+            self._last[session_id] = (raw, text)
+            self._bytes += len(raw) + len(text)
+            while self._bytes > self._max_bytes:
+                _, (old_raw, old_text) = self._last.popitem(last=False)
+                self._bytes -= len(old_raw) + len(old_text)
+        return text
+
+
+_ECHO_KEY = b'"prompt_token_ids":'
+
+
+def without_prompt_echo(raw: bytes) -> bytes:
+    """A completion reply with each `"prompt_token_ids":[...]` replaced by null: the decoder skips
+    that field anyway, but skipping ~1e5 digits cost more than decoding the rest of the reply.
+    Only a flat array is cut (no string, array or object inside); anything else is left for the
+    decoder to judge. Inside a JSON string the key's quotes would be escaped, so a match is
+    always a real key."""
+    start = raw.find(_ECHO_KEY)
+    parts: list[bytes] = []
+    done = 0
+    while start >= 0:
+        open_ = start + len(_ECHO_KEY)
+        close = raw.find(b"]", open_)
+        if raw[open_ : open_ + 1] != b"[" or close < 0 or any(raw.find(c, open_ + 1, close) >= 0 for c in (b'"', b"[", b"{")):
+            break
+        parts += [raw[done:open_], b"null"]
+        done = close + 1
+        start = raw.find(_ECHO_KEY, done)
+    return b"".join(parts) + raw[done:] if parts else raw
