@@ -142,10 +142,17 @@ def serve_floor(port_file: str, delay_s: float) -> None:
         stream = bool(body.get("stream"))
         return web.Response(body=replies[stream], content_type="text/event-stream" if stream else "application/json")
 
+    _serve_routes(port_file, {"/sessions": session, "/s/{token}/v1/chat/completions": complete})
+
+
+def _serve_routes(port_file: str, routes: dict) -> None:
+    """An aiohttp server of POST routes on 127.0.0.1 until SIGTERM; its URL goes to `port_file`."""
+    from aiohttp import web
+
     async def main() -> None:
         app = web.Application(client_max_size=1 << 26)
-        app.router.add_post("/sessions", session)
-        app.router.add_post("/s/{token}/v1/chat/completions", complete)
+        for path, handler in routes.items():
+            app.router.add_post(path, handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -183,20 +190,7 @@ def serve_vllm(port_file: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         return web.Response(body=b"".join((choice_start, body[span[0] : span[1]], choice_end)), content_type="application/json")
 
-    async def main() -> None:
-        app = web.Application(client_max_size=1 << 26)
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        Path(port_file).write_text(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
-        await stop.wait()
-        await runner.cleanup()
-
-    uvloop.run(main())
+    _serve_routes(port_file, {"/v1/completions": completions})
 
 
 # ----------------------------------------------------------------------------- load
