@@ -4,6 +4,7 @@ prompt's JSON and the cut of vLLM's prompt echo agree with plain msgspec (proper
 
 from __future__ import annotations
 
+import asyncio
 from array import array
 
 import msgspec
@@ -185,3 +186,88 @@ def test_cutting_the_prompt_echo_changes_nothing_the_engine_reads(reply, spaced)
     echo = reply["choices"][0]["prompt_token_ids"]
     if not spaced and isinstance(echo, list) and all(isinstance(i, int) for i in echo):
         assert msgspec.json.decode(cut)["choices"][0]["prompt_token_ids"] is None  # the usual shape is cut
+
+
+async def test_http1_pool_keeps_connections_and_resends_on_one_the_server_closed_idle():
+    """One connection for back-to-back calls; after the server drops it for idleness (uvicorn
+    does after 5 s) the next call goes out again on a new connection, invisibly."""
+    from polar_fast.engines.http1 import Http1Pool
+
+    peers, transports = [], []
+
+    async def echo(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        transports.append(request.transport)
+        return web.Response(body=await request.read())
+
+    app = web.Application()
+    app.router.add_post("/base/echo", echo)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    pool = Http1Pool(str(server.make_url("/base")))
+    try:
+        for i in range(3):
+            assert await pool.post("/echo", b"x%d" % i, {"Content-Type": "application/json"}) == (200, b"x%d" % i)
+        assert len(set(peers)) == 1
+        for close_seen in (True, False):
+            transports[-1].close()  # the server drops the idle connection
+            if close_seen:
+                await asyncio.sleep(0.1)  # its FIN has arrived: the pool skips the connection
+            assert await pool.post("/echo", b"again", {}) == (200, b"again")
+        assert len(set(peers)) == 3 and len(peers) == 5
+    finally:
+        pool.close()
+        await server.close()
+
+
+async def test_http1_pool_reads_chunked_and_connection_close_replies():
+    from polar_fast.engines.http1 import Http1Pool
+
+    peers = []
+
+    async def chunked(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        reply = web.StreamResponse()
+        reply.enable_chunked_encoding()
+        await reply.prepare(request)
+        for part in (b'{"a":', b"1", b"}"):
+            await reply.write(part)
+        await reply.write_eof()
+        return reply
+
+    async def closing(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.Response(body=b"bye", headers={"Connection": "close"})
+
+    app = web.Application()
+    app.router.add_post("/chunked", chunked)
+    app.router.add_post("/closing", closing)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    pool = Http1Pool(str(server.make_url("")))
+    try:
+        assert await pool.post("/chunked", b"{}", {}) == (200, b'{"a":1}')
+        assert await pool.post("/closing", b"{}", {}) == (200, b"bye")
+        assert await pool.post("/chunked", b"{}", {}) == (200, b'{"a":1}')
+        assert len(peers) == 3 and peers[0] == peers[1] != peers[2]  # not reused after "close"
+    finally:
+        pool.close()
+        await server.close()
+
+
+async def test_vllm_server_that_answers_garbage_is_unavailable():
+    async def garbage(reader, writer):
+        await reader.read(100)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = VllmEngine(f"http://127.0.0.1:{port}", model="m", max_retries=1, retry_delay_s=0.01)
+    try:
+        with pytest.raises(EngineUnavailable, match="not an HTTP/1.x status line"):
+            await engine.generate([1], Sampling())
+    finally:
+        await engine.aclose()
+        server.close()
