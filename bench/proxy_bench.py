@@ -20,7 +20,8 @@ streaming; Z = proxy requests/s / direct requests/s at concurrency 256, streamin
 `--engine vllm` puts production's engine client in the proxy: the proxy's `VllmEngine` talks HTTP
 to a fake `vllm serve` (own process, on the client's cores, as a GPU server has its own) that
 answers `/v1/completions` as vLLM does, echoing the prompt; direct calls post the same request
-bodies, made before timing. The added latency then includes sending each prompt as JSON.
+bodies, made before timing. The added latency then includes sending each prompt as JSON. (No floor
+run then: it has no engine hop to compare with.)
 
     .venv/bin/python bench/proxy_bench.py [--quick] [--engine scripted|vllm] [--render-threads N] [--profile FILE]
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -337,13 +339,15 @@ async def bench(root: str, floor_root: str, args, server_pid: int, floor_pid: in
             lat_p, rps_p, prompts = await run_proxy(root, args, concurrency, stream)
             cpu_ms = (cpu_s(server_pid) - cpu0) * 1000 / len(lat_p)
             client_ms = (time.process_time() - client0) * 1000 / len(lat_p)
-            floor0 = cpu_s(floor_pid)
-            lat_f, _ = await run_floor(floor_root, args, concurrency, stream)
-            floor_cpu_ms = (cpu_s(floor_pid) - floor0) * 1000 / len(lat_f)
             lat_d, rps_d = await run_direct(engine, prompts, concurrency, args.vllm_url)
             added50 = ms(percentile(lat_p, 0.5) - percentile(lat_d, 0.5))
             added99 = ms(percentile(lat_p, 0.99) - percentile(lat_d, 0.99))
-            floor50 = ms(percentile(lat_f, 0.5) - percentile(lat_d, 0.5))
+            floor50 = floor_cpu_ms = math.nan  # --engine vllm: the direct calls have an HTTP hop the floor lacks
+            if floor_root:
+                floor0 = cpu_s(floor_pid)
+                lat_f, _ = await run_floor(floor_root, args, concurrency, stream)
+                floor_cpu_ms = (cpu_s(floor_pid) - floor0) * 1000 / len(lat_f)
+                floor50 = ms(percentile(lat_f, 0.5) - percentile(lat_d, 0.5))
             mode = "sse" if stream else "json"
             results[(concurrency, mode)] = (added50, added99, rps_p / rps_d, floor50)
             print(
@@ -352,7 +356,8 @@ async def bench(root: str, floor_root: str, args, server_pid: int, floor_pid: in
                 f" {floor50:>11.2f} {rps_p:>10.1f} {rps_d:>11.1f} {rps_p / rps_d:>6.3f} {cpu_ms:>10.2f} {floor_cpu_ms:>6.2f} {client_ms:>7.2f}",
                 flush=True,
             )
-    print("floor +p50: added p50 of a do-nothing aiohttp server with the same routes, bodies and replies (HTTP + this client alone)")
+    if floor_root:
+        print("floor +p50: added p50 of a do-nothing aiohttp server with the same routes, bodies and replies (HTTP + this client alone)")
     mid = results.get((64, "sse")) or next(iter(results.values()))
     top = results.get((256, "sse")) or list(results.values())[-1]
     print(f"RESULT added_p50_ms={mid[0]:.3f} added_p99_ms={mid[1]:.3f} rps_ratio={top[2]:.3f} floor_added_p50_ms={mid[3]:.3f}")
@@ -408,14 +413,17 @@ def main() -> None:
                 engine_side.append(fake_vllm)
             proxy, root = _start(tmp, "proxy", [*delay, "--profile", args.profile, "--render-threads", str(args.render_threads), "--vllm-url", args.vllm_url, "--serve"])
             servers.append(proxy)
-            floor, floor_root = _start(tmp, "floor", [*delay, "--serve-floor"])
-            servers.append(floor)
+            floor_root, floor_pid = "", 0
+            if args.engine == "scripted":
+                floor, floor_root = _start(tmp, "floor", [*delay, "--serve-floor"])
+                servers.append(floor)
+                floor_pid = floor.pid
             for group, cores_of_group in ((servers, server_cores), (engine_side, client_cores)):
                 for server in group:
                     for tid in os.listdir(f"/proc/{server.pid}/task"):  # affinity is per thread
                         os.sched_setaffinity(int(tid), cores_of_group)
             os.sched_setaffinity(0, client_cores)
-            uvloop.run(bench(root, floor_root, args, proxy.pid, floor.pid))
+            uvloop.run(bench(root, floor_root, args, proxy.pid, floor_pid))
         finally:
             for server in servers + engine_side:
                 server.terminate()
