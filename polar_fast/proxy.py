@@ -334,7 +334,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     conv = session.parse(dialect, await _body(request))
     if state.cfg.engine.render == "engine":
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
-        extends_call, n_extended = -1, 0
+        prompt, extends_call, n_extended = None, -1, 0  # vLLM's own template: no exact history here
         t1 = t2 = time.perf_counter()
     else:
         prompt = await _prompt(state, session.history, conv)
@@ -382,7 +382,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     # Only a call on disk becomes a base: later records store their prompts as deltas from it.
     session.call_frames.append(call_frame)
     session.last_exchange = (record.call_index, conv.messages)
-    if state.cfg.engine.render != "engine":
+    if prompt is not None:
         session.history.remember(prompt, gen.token_ids, reply_message, call_index=record.call_index)
     meta = ReplyMeta(id=_reply_id(), created=int(started_at), model=conv.model or state.cfg.model.name)
     if not conv.stream:
