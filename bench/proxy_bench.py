@@ -291,7 +291,9 @@ async def run_direct(engine, prompts: list[list[int]], concurrency: int, vllm_ur
 
     latencies: list[float] = []
     sampling = Sampling(max_tokens=64)
-    bodies = [msgspec.json.encode({"model": "m", "prompt": ids, "max_tokens": 64, "logprobs": 0, "return_token_ids": True}) for ids in prompts]
+    bodies = [
+        msgspec.json.encode({"model": "m", "prompt": ids, "max_tokens": 64, "logprobs": 0, "return_token_ids": True}) for ids in prompts
+    ] if vllm_url else []
 
     async def session() -> None:
         if not vllm_url:

@@ -34,8 +34,6 @@ def tokenizer():
     return load_tokenizer("")
 
 
-
-
 @pytest.mark.parametrize("template", [None, TOOLS_AT_END, SYSTEM_LAST], ids=["fallback", "tools_at_end", "system_last"])
 def test_suffix_prompts_equal_whole_render_reference(tokenizer, template):
     r = renderer_with_template(tokenizer, template)

@@ -227,9 +227,7 @@ def extend(conv: Conversation, fold: Fold) -> Conversation:
 def parse_count(body: bytes) -> Conversation:
     req: _CountRequest = decode(body, _CountRequest, "count_tokens")
     fold = fold_items(start(req), req.messages)
-    if not fold.n_items:
-        raise DialectError("messages must not be empty")
-    return Conversation(model=req.model, messages=fold.messages, tools=_tools(req))
+    return extend(Conversation(model=req.model, messages=fold.messages, tools=_tools(req)), fold)
 
 
 def count_reply(n_tokens: int) -> bytes:

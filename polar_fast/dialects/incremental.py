@@ -55,8 +55,8 @@ class IncrementalParser:
         if self._recent:
             best = self._recent[-1]
             shared = common_prefix_len(best.body, body)
-            if shared < best.ends[-1] if best.ends else shared <= best.open:
-                # not an extension of all of the last request's items: maybe of an earlier one
+            all_items = best.ends[-1] if best.ends else best.open + 1  # bytes through its last item
+            if shared < all_items:  # not an extension of all of the last request's items: maybe of an earlier one
                 for recent in self._recent[:-1]:
                     n = common_prefix_len(recent.body, body)
                     if n > shared:

@@ -99,7 +99,8 @@ class VllmEngine:
         import aiohttp
 
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+            # no timeout of its own (aiohttp's default is 5 min): _post bounds every call
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         return self._http
 
     def rank_of(self, session_id: str) -> int:
