@@ -92,8 +92,8 @@ def script(name: str, task: Path) -> list[str]:
     tools = TOOLS[name]
     first = hermes(tools.write(task / FILE, CONTENT), text="I'll create the file now.",
                    think="The user wants a file; the write tool makes it.")
-    # The printed line ends with a newline: Qwen Code's shell tool, under load, now and then
-    # reported "Output: (empty)" for a quick command whose output had none (seen in CI runs).
+    # A command that exits straight after printing: Qwen Code settles its shell call on exit, so
+    # without the adapter's BASH_ENV wait this output was now and then lost (seen in CI).
     second = hermes(tools.shell(f"printf '{SEEN_MARK}%s\\n' \"$(cat {FILE})\""), tools.shell("ls -la"),
                     text="Checking it.")
     final = "Done: the file is written."

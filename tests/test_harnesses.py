@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -53,6 +55,22 @@ def test_mini_swe_agent_step_limit_and_base_url():
     argv = get_harness("mini-swe-agent").command(**ARGS).argv
     assert "agent.step_limit=7" in argv and "model.model_kwargs.api_base=http://127.0.0.1:9/s/tok123/v1" in argv
     assert argv[argv.index("-m") + 1] == "openai/served-model"
+
+
+def test_qwen_code_shell_waits_before_exit_but_its_children_do_not(tmp_path):
+    """Qwen Code's shell tool runs `bash -c CMD` and settles on exit; the adapter's BASH_ENV file
+    makes that bash wait before exiting (so Node reads the output first), keeping its status."""
+    cmd = get_harness("qwen-code").command(**ARGS | {"home": str(tmp_path)})
+    for rel, text in cmd.files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    env = {"PATH": "/usr/bin:/bin", "BASH_ENV": cmd.env["BASH_ENV"]}
+    script = 'printf out; bash -c \'printf " child=[%s]" "$BASH_ENV"\'; exit 3'
+    start = time.monotonic()
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=10)
+    waited = time.monotonic() - start
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out child=[]", "")
+    assert waited >= 0.1
 
 
 def test_bundle_is_cached_and_built_atomically(tmp_path):
