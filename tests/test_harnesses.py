@@ -11,7 +11,6 @@ import time
 import tomllib
 from pathlib import Path
 
-import anyio
 import pytest
 
 from harness_servers import FakeModel, serve
