@@ -4,7 +4,6 @@ The test launches this same file as the torchrun worker (see `__main__` at the b
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

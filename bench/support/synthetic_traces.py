@@ -78,7 +78,6 @@ class _Rollout:
 def rollout_calls(rng: np.random.Generator, profile: Profile, shared: list[int], n_calls: int,
                   rollout_id: str, group_id: str = "g", version: int = 0) -> list[CallRecord]:
     r = _Rollout(rollout_id, group_id, version)
-    system = shared[: profile.system_tokens]
     prompt = list(shared)
     while len(r.calls) < n_calls:
         if rng.random() < profile.p_subagent:
