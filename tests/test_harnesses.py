@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness_run import write_home_files
 from harness_servers import FakeModel, serve
 from polar_fast.harnesses import HARNESSES, AgentCommand, get_harness
 from polar_fast.harnesses import __main__ as cli
@@ -60,9 +61,7 @@ def test_qwen_code_shell_waits_before_exit_but_its_children_do_not(tmp_path):
     """Qwen Code's shell tool runs `bash -c CMD` and settles on exit; the adapter's BASH_ENV file
     makes that bash wait before exiting (so Node reads the output first), keeping its status."""
     cmd = get_harness("qwen-code").command(**ARGS | {"home": str(tmp_path)})
-    for rel, text in cmd.files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_home_files(cmd, tmp_path)
     env = {"PATH": "/usr/bin:/bin", "BASH_ENV": cmd.env["BASH_ENV"]}
     script = 'printf out; bash -c \'printf " child=[%s]" "$BASH_ENV"\'; exit 3'
     start = time.monotonic()
