@@ -83,7 +83,7 @@ def merge_module():
         merge.merge([], layout="tree")  # raises if the Rust extension is missing
         return merge, "rust"
     except Exception:
-        from polar_fast import merge_reference
+        from polar_fast.merge import reference as merge_reference
 
         return merge_reference, "reference"
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared t
 from synthetic_traces import PROFILES, group_calls  # noqa: E402
 
 from polar_fast import merge as rust  # noqa: E402
-from polar_fast import merge_reference as reference  # noqa: E402
+from polar_fast.merge import reference as reference  # noqa: E402
 from polar_fast.records import CallRecord  # noqa: E402
 
 

@@ -23,11 +23,12 @@ import time
 import anyio
 
 from polar_fast.config import PoolsConfig
-from polar_fast.pools import AgentResult, Pools
+from polar_fast.pools import Pools
 from polar_fast.records import Outcome
-from polar_fast.reward import EvalResult
-from polar_fast.sandboxes import SandboxSpec
-from polar_fast.tasks import load_builtin
+from polar_fast.rollouts.agent import AgentResult
+from polar_fast.rollouts.reward import EvalResult
+from polar_fast.rollouts.sandboxes import SandboxSpec
+from polar_fast.rollouts.tasks import load_builtin
 
 RANGES_S = {"boot": (5, 60, 15), "agent": (60, 1200, 300), "tests": (10, 600, 60)}  # min, max, median
 SIGMA = {"boot": 0.6, "agent": 0.8, "tests": 1.0}
@@ -63,7 +64,7 @@ class SimFactory:
         return SimBox()
 
     def open(self, spec: SandboxSpec):
-        from polar_fast.sandboxes import open_sandbox
+        from polar_fast.rollouts.sandboxes import open_sandbox
 
         return open_sandbox(self, spec)
 

@@ -93,7 +93,7 @@ def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int
     from polar_fast.engines.scripted import ScriptedEngine
     from polar_fast.engines.vllm import VllmEngine
     from polar_fast.model import load_tokenizer
-    from polar_fast.proxy import serve as serve_proxy
+    from polar_fast.proxy import open_proxy
     from polar_fast.records import RecordLog
 
     async def main() -> None:
@@ -107,7 +107,7 @@ def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int
         log = RecordLog(Path(port_file).with_suffix(".log"))
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        async with serve_proxy(cfg, engine, log) as proxy:
+        async with open_proxy(cfg, engine, log) as proxy:
             Path(port_file).write_text(proxy.base_url)
             await stop.wait()
 
@@ -127,7 +127,9 @@ def serve_floor(port_file: str, delay_s: float) -> None:
     on this machine, apart from the proxy's own work."""
     from aiohttp import web
 
-    from polar_fast.dialects import Completion, ReplyMeta, ToolCall, chat
+    from polar_fast.capture.dialects import ReplyMeta
+    from polar_fast.capture.dialects import chat_completions as chat
+    from polar_fast.conversation import Completion, ToolCall
 
     call = ToolCall(id="call_0", name="bash", arguments='{"command": "ls -la src/"}')
     completion = Completion(tool_calls=(call,), finish_reason="tool_calls", prompt_tokens=20000, completion_tokens=30)
@@ -175,8 +177,8 @@ def serve_vllm(port_file: str, delay_s: float) -> None:
     than decoded: a GPU server does that work on its own CPUs, not on this machine's."""
     from aiohttp import web
 
-    from polar_fast._merge import json_value_span
     from polar_fast.model import load_tokenizer
+    from polar_fast.wire import json_value_span
 
     tok = load_tokenizer("")
     ids = list(tok.encode(TOOL_CALL)) + [tok.eos_token_id]

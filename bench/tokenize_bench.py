@@ -17,7 +17,7 @@ import argparse
 import random
 import time
 
-from polar_fast.fast_tokenizer import fast_encoder
+from polar_fast.capture.tokenizer import fast_encoder
 from polar_fast.model import load_tokenizer
 
 WORDS = ["the", "file", "error", "def", "return", "import", "self", "None", "value", "path", "config",

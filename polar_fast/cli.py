@@ -4,6 +4,7 @@
     torchrun --nproc_per_node N -m polar_fast --config run.toml ...   # learner on N GPUs (FSDP2)
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
+    python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
 
 Errors a user can fix (bad config, output dir in use, missing model) print one line and exit 2.
 """
@@ -19,7 +20,7 @@ import uvloop
 from polar_fast.config import Config, load_config
 from polar_fast.errors import PolarError
 
-COMMANDS = ("train", "serve", "export")
+COMMANDS = ("train", "serve", "export", "harnesses")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
     export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
     export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
+    harnesses = sub.add_parser("harnesses", help="the harness CLI bundles")
+    harness_sub = harnesses.add_subparsers(dest="harness_command", required=True)
+    install = harness_sub.add_parser("install", help="build and cache harness bundles; prints `name path` per bundle")
+    install.add_argument("names", nargs="*", help="harnesses: mini-swe-agent, codex, claude-code, qwen-code, pi")
+    install.add_argument("--all", action="store_true", help="every harness")
+    install.add_argument("--bundle-root", type=Path, default=None, help="default ~/.cache/polar_fast/harnesses")
     return p
 
 
@@ -49,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv.insert(0, "train")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command == "harnesses":
+            return _install_harnesses(parser, args.names, every=args.all, bundle_root=args.bundle_root)
         if args.command == "export":
             from polar_fast.export import export_run
 
@@ -67,17 +77,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
-    from polar_fast import distributed
+    from polar_fast.learner import distributed
 
     rank = distributed.init(cfg)  # under torchrun; 0 otherwise
     try:
         if rank > 0:  # the learner only, driven by rank 0
             distributed.follow(cfg)
             return 0
-        from polar_fast.app import train
-        from polar_fast.progress import Progress
+        from polar_fast.report.progress import Progress
+        from polar_fast.train import train
 
-        with Progress(cfg, enabled=not quiet) as progress:
+        with Progress(steps=cfg.run.steps, enabled=not quiet) as progress:
             summary = uvloop.run(train(cfg, resume=resume, on_event=progress.event))
         progress.print_summary(summary)
         return 0
@@ -87,11 +97,32 @@ def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
 
 def _serve(cfg: Config, host: str | None, port: int | None, *, rollouts: bool) -> int:
     if rollouts:
-        from polar_fast.rollout_service import serve_rollouts
+        from polar_fast.rollouts.service import serve_rollouts
 
         uvloop.run(serve_rollouts(cfg, host=host, port=port))
         return 0
     from polar_fast.serve import serve_forever
 
     uvloop.run(serve_forever(cfg, host=host, port=port))
+    return 0
+
+
+def _install_harnesses(parser: argparse.ArgumentParser, names: list[str], *, every: bool,
+                       bundle_root: Path | None) -> int:
+    """Build (or find cached) harness bundles; a no-op for those already cached."""
+    from polar_fast.rollouts.harnesses import HARNESSES, BundleError, default_bundle_root, get_harness
+
+    if not every and not names:
+        parser.error("harnesses install: name harnesses to install, or --all")
+    try:
+        harnesses = list(HARNESSES.values()) if every else [get_harness(n) for n in names]
+    except ValueError as e:
+        parser.error(str(e))
+    root = bundle_root or default_bundle_root()
+    for harness in harnesses:
+        try:
+            path = harness.install(root)
+        except BundleError as e:  # a PolarError: main prints it and exits 2
+            raise BundleError(f"install {harness.name}: {e}") from None
+        print(f"{harness.name} {path}", flush=True)
     return 0

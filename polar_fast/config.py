@@ -141,7 +141,7 @@ class LearnerConfig(_Section):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
     # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa on CPU; the learner runs
-    # sdpa per block of the packed batch, never on a (T, T) mask (packed_attention.py)
+    # sdpa per block of the packed batch, never on a (T, T) mask (learner/packed_attention.py)
     attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
 
 

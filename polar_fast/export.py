@@ -43,9 +43,17 @@ from typing import Any, Iterable
 import msgspec
 import numpy as np
 
-from polar_fast.dialects import Message, Tool
+from polar_fast.conversation import Message, Tool
 from polar_fast.errors import PolarError
-from polar_fast.records import CallRecord, ExchangeRecord, Outcome, RolloutRecord, read_log, whole_calls, whole_exchanges
+from polar_fast.records import (
+    CallRecord,
+    ExchangeRecord,
+    Outcome,
+    RolloutRecord,
+    read_log,
+    whole_calls,
+    whole_exchanges,
+)
 
 CHAT_FILES = ("chat.jsonl", "chat.parquet")
 TOKEN_FILES = ("tokens.jsonl", "tokens.parquet")

@@ -42,10 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from polar_fast import losses, packed_attention
-from polar_fast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.config import Config, LearnerConfig
-from polar_fast.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
+from polar_fast.learner import losses, packed_attention
+from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polar_fast.learner.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
 
 LAYOUTS = ("tree", "paths", "percall")
@@ -76,7 +76,7 @@ class StepBatch:
 
 def percall_batches(calls: Sequence[CallRecord]) -> list[Any]:
     """The per-call baseline: each call its own sequence and micro-batch, no merging."""
-    from polar_fast.merged import MicroBatch
+    from polar_fast.merge.arrays import MicroBatch
 
     out = []
     for c in calls:

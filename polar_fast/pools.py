@@ -8,7 +8,7 @@
   `agent_workers + prewarm` tokens, so `prewarm` sandboxes are booted ahead of demand and no more.
 - agent: `agent_workers` run the agent runner (a harness, or a scripted command in tests) with a
   hard timeout that kills its process tree, collect the diff, remove the box.
-- eval: `eval_workers` score the diff in a fresh sandbox from the same image (reward.py), so long
+- eval: `eval_workers` score the diff in a fresh sandbox from the same image (rollouts/reward.py), so long
   test runs never hold an agent slot.
 Each task yields one group of `group_size` rollouts (a `GroupSpec` item instead names its own
 group id and size; the task source may be an async iterable, e.g. a memory stream that a
@@ -34,62 +34,21 @@ import bisect
 import contextlib
 import math
 import time
-from typing import Any, AsyncIterable, Awaitable, Callable, Iterable, Protocol
+from typing import Any, AsyncIterable, Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
 
 from polar_fast.config import PoolsConfig
-from polar_fast.errors import PolarError
 from polar_fast.records import Outcome, RolloutRecord
-from polar_fast.reward import EvalResult, evaluate
-from polar_fast.sandboxes import SandboxError, SandboxSpec
-from polar_fast.tasks import Task, TaskError, prepare_repo, repo_diff
+from polar_fast.rollouts.agent import AgentInfraError, AgentResult, AgentRunner
+from polar_fast.rollouts.reward import EvalResult, evaluate
+from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec
+from polar_fast.rollouts.tasks import Task, TaskError, prepare_repo, repo_diff
 
 HISTOGRAM_BOUNDS_S = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000)  # upper bucket edges, seconds
 INFRA_ERRORS = (SandboxError, TaskError, TimeoutError, OSError)
 KILL_GRACE_S = 30.0  # past the agent's own timeout, the pool cancels the run itself
-
-
-# ---------------------------------------------------------------------------------- agent runners
-
-
-class AgentInfraError(PolarError):
-    """The agent could not do its work for reasons outside it (AgentResult.infra_error)."""
-
-
-class AgentResult(msgspec.Struct, frozen=True, kw_only=True):
-    exit_code: int
-    timed_out: bool = False
-    n_calls: int = 0  # model calls the proxy captured for this rollout
-    infra_error: str = ""  # set when the agent could not run for reasons outside it (engine down)
-    output_tail: str = ""
-
-
-class AgentRunner(Protocol):
-    name: str
-
-    def spec(self, task: Task, rollout_id: str) -> SandboxSpec: ...
-
-    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult: ...
-
-
-class CommandAgent:
-    """A scripted agent: one shell command in the task repo (tests, dry runs; no model)."""
-
-    def __init__(self, script: str | Callable[[Task], str], *, name: str = "scripted") -> None:
-        self.script = script
-        self.name = name
-
-    def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
-        return SandboxSpec(name=rollout_id, image=task.image)
-
-    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
-        script = self.script(task) if callable(self.script) else self.script
-        env = {"POLAR_ROLLOUT_ID": rollout_id, "POLAR_GROUP_ID": group_id}
-        done = await box.exec(["sh", "-c", script], env=env, cwd=box.workdir, timeout_s=timeout_s)
-        return AgentResult(exit_code=done.exit_code, timed_out=done.timed_out,
-                           output_tail=(done.stdout[-1000:] + done.stderr[-1000:]))
 
 
 # ------------------------------------------------------------------------------------ statistics

@@ -10,7 +10,7 @@ Routes (each `/v1/...` route also lives under `/s/<token>/v1/...`):
 
 A request's session comes from the path token, else from its API key (`Authorization: Bearer`
 or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: the session's
-incremental parse (dialects/incremental.py: only what the request adds is decoded) →
+incremental parse (capture/dialects/incremental.py: only what the request adds is decoded) →
 History.plan + finish (exact-history ids; only a new suffix is rendered and tokenised, long
 tokenisations in worker threads) → engine.generate → Renderer.parse → record (awaited on disk)
 → reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
@@ -42,16 +42,19 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 import msgspec
 from aiohttp import web
 
-from polar_fast.chat.history import History, Prompt
-from polar_fast.chat.render import Renderer, template_message, template_tool
-from polar_fast.dialects import Completion, Conversation, DialectError, Message, ReplyMeta, ToolCall
-from polar_fast.dialects import anthropic, chat, responses
-from polar_fast.dialects.incremental import IncrementalParser
+from polar_fast.capture.dialects import DialectError, ReplyMeta, anthropic, responses
+from polar_fast.capture.dialects import chat_completions as chat
+from polar_fast.capture.dialects.incremental import IncrementalParser
+from polar_fast.capture.history import History, Prompt
+from polar_fast.capture.recorder import Recorder
+from polar_fast.capture.render import Renderer, template_message, template_tool
+from polar_fast.conversation import Completion, Conversation, Message, ToolCall
 from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
 from polar_fast.errors import ConfigError
 from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
+    Record,
     RecordLog,
     Timings,
     decode_frame,
@@ -59,7 +62,6 @@ from polar_fast.records import (
     packed_ids,
     whole_calls,
 )
-from polar_fast.recorder import Recorder
 
 if TYPE_CHECKING:
     from polar_fast.config import Config
@@ -110,7 +112,7 @@ class ProxyState:
     sessions: dict[str, Session] = field(default_factory=dict)
     base_url: str = ""
     errors: dict[int, int] = field(default_factory=dict)  # replies by error status
-    # Whole renders (first calls, no match: ~10 ms per 5k new tokens) queue here, apart from the
+    # Whole renders (first calls, no match: tens of ms for a long prompt) queue here, apart from the
     # short suffix tokenisations of exact calls, so a burst of new sessions never holds up the
     # sessions already running. None: the loop's default executor.
     render_pool: ThreadPoolExecutor | None = None
@@ -238,7 +240,7 @@ def _admin_session(request: web.Request) -> Session:
 
 async def session_records(request: web.Request) -> web.Response:
     session = _admin_session(request)
-    records = await asyncio.to_thread(session.records)  # ~0.1 ms per 1e4 ids: not on the loop
+    records = await asyncio.to_thread(session.records)  # grows with the session: not on the loop
     return web.Response(body=msgspec.json.encode(records), content_type="application/json")
 
 
@@ -524,12 +526,25 @@ class Proxy:
     base_url: str  # http://HOST:PORT
     unix_socket: str  # "" when not listening on one
 
+    @property
+    def admin_key(self) -> str:
+        return self.state.cfg.proxy.admin_key
+
     def new_session(self, rollout_id: str = "", group_id: str = "") -> Session:
         return self.state.new_session(rollout_id, group_id)
 
+    def close_session(self, token: str) -> Session | None:
+        """End a session: its later requests get 401. Returns it, or None if it was not open."""
+        return self.state.sessions.pop(token, None)
+
+    async def record(self, *records: Record) -> None:
+        """Append records of the run's other stages (finished rollouts) to the record log, in
+        order with the calls, and wait until they are written."""
+        await self.state.recorder.put(*records)
+
 
 @asynccontextmanager
-async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer: Renderer | None = None) -> AsyncIterator[Proxy]:
+async def open_proxy(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer: Renderer | None = None) -> AsyncIterator[Proxy]:
     """Listen on `cfg.proxy.host:port` (and `unix_socket`) until the block exits.
 
     The recorder's writer runs in this context's TaskGroup; on exit the server stops first, then
@@ -550,9 +565,8 @@ async def serve(cfg: Config, engine: Engine, record_log: RecordLog, *, renderer:
     threshold0, *older = gc.get_threshold()
     if threshold0 < 10_000:
         # Each call leaves young container objects behind (decoded items, Jinja contexts, futures)
-        # and a young collection costs ~0.4 ms on the event loop however few survive: at the
-        # default 700 that was ~25 us per call at concurrency 64 (bench/proxy_bench.py), at
-        # 10k ~4 us. Memory: at most ~10k more objects wait for a cycle collection.
+        # and a young collection costs the event loop the same however few survive, so they
+        # should be rare. Memory: at most ~10k more objects wait for a cycle collection.
         gc.set_threshold(10_000, *older)
     recorder = Recorder(record_log, queue_size=pc.recorder_queue_size)
     render_pool = ThreadPoolExecutor(max_workers=max(1, pc.render_threads), thread_name_prefix="proxy-render")

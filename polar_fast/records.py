@@ -27,9 +27,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import msgspec
 
-from polar_fast._merge import crc32  # = zlib.crc32, SIMD: frames of a long session are ~1e5 bytes each
-from polar_fast._merge import msgpack_int32s
-from polar_fast.dialects import Message, Tool
+from polar_fast.conversation import Message, Tool
+from polar_fast.wire import crc32, msgpack_int32s
 
 _HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 1 << 30  # a length above this is corruption, not a record

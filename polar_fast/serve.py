@@ -20,18 +20,18 @@ from polar_fast.signals import StopSignal
 async def serve_forever(cfg: Config, *, host: str | None = None, port: int | None = None,
                         ready: asyncio.Event | None = None) -> None:
     from polar_fast.engines import build_engine
-    from polar_fast.proxy import serve
+    from polar_fast.proxy import open_proxy
 
     proxy_cfg = msgspec.structs.replace(cfg.proxy, host=host or cfg.proxy.host,
                                         port=cfg.proxy.port if port is None else port)
     cfg = msgspec.structs.replace(cfg, proxy=proxy_cfg)
     out = Path(cfg.run.output_dir)
     await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
-    engine = await asyncio.to_thread(build_engine, cfg)
+    engine = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
     log = await asyncio.to_thread(RecordLog, out / "records.log", fsync=cfg.proxy.record_fsync)
     try:
         with StopSignal() as stop:
-            async with serve(cfg, engine, log) as proxy:
+            async with open_proxy(cfg, engine, log) as proxy:
                 print(f"polar_fast proxy on {proxy.base_url}  (model {cfg.model.name!r}, engine {cfg.engine.kind})", flush=True)
                 if proxy.unix_socket:
                     print(f"also on unix socket {proxy.unix_socket}", flush=True)

@@ -7,8 +7,7 @@
 
 The engine's replies are texts tokenised by the real SmolLM2 tokenizer (each ends with its
 end-of-turn token, as a model that stopped would). `write_file_replies` scripts the usual
-two-call run: a tool call that writes a file, then a final answer; `markdown_replies` does the
-same for harnesses without tool calling (mini-swe-agent reads a ```bash block).
+two-call run: a tool call that writes a file, then a final answer.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import msgspec
 
 from polar_fast.config import Config, parse_config
 from polar_fast.engines.scripted import ScriptedEngine
-from polar_fast.proxy import Proxy, serve
+from polar_fast.proxy import Proxy, open_proxy
 from polar_fast.records import CallRecord, RecordLog, read_log
 
 
@@ -43,17 +42,9 @@ def write_file_replies(
     return [f"<tool_call>\n{call}\n</tool_call>", final]
 
 
-def markdown_replies(path: str = "hello.txt", content: str = "hello from polar_fast") -> list[str]:
-    """The same run for harnesses that parse commands out of markdown (mini-swe-agent)."""
-    return [
-        f"THOUGHT: write the file.\n\n```bash\nprintf '%s' {json.dumps(content)} > {path}\n```",
-        "THOUGHT: done.\n\n```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
-    ]
-
-
 def renderer_with_template(tokenizer, template: str | None):
     """A Renderer for `tokenizer` with another chat template (None: the tokenizer's own)."""
-    from polar_fast.chat.render import Renderer
+    from polar_fast.capture.render import Renderer
 
     if template is None:
         return Renderer(tokenizer)
@@ -104,7 +95,7 @@ class ScriptedProxy:
             return (await r.json())["token"]
 
     def _admin(self) -> dict[str, str]:
-        key = self.proxy.state.cfg.proxy.admin_key
+        key = self.proxy.admin_key
         return {"x-admin-key": key} if key else {}
 
 
@@ -136,7 +127,7 @@ async def scripted_proxy(
     log_path = Path(tmp_path) / "calls.log"
     record_log = await asyncio.to_thread(RecordLog, log_path)  # file I/O stays off the loop
     try:
-        async with serve(cfg, engine, record_log) as proxy:
+        async with open_proxy(cfg, engine, record_log) as proxy:
             scripted = ScriptedProxy(proxy, engine, "", log_path)
             scripted.token = await scripted.new_session("rollout-0", "group-0")
             yield scripted

@@ -1,7 +1,7 @@
-"""Writes rust/merge/src/bpe_unicode.rs: the code points that the HF `tokenizers` regex engine
+"""Writes rust/merge/src/tokenize/bpe_unicode.rs: the code points that the HF `tokenizers` regex engine
 (Oniguruma, with its own Unicode version) puts in \\p{L}, \\p{N} and \\s, read off the installed
 `tokenizers` itself so the Rust pre-tokenizers classify every character exactly as it does.
-Rerun after upgrading `tokenizers`; tests/test_fast_tokenizer.py checks every code point."""
+Rerun after upgrading `tokenizers`; tests/test_tokenizer.py checks every code point."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Regex
 from tokenizers.pre_tokenizers import Split
 
-OUT = Path(__file__).resolve().parents[1] / "rust" / "merge" / "src" / "bpe_unicode.rs"
+OUT = Path(__file__).resolve().parents[1] / "rust" / "merge" / "src" / "tokenize" / "bpe_unicode.rs"
 ALL = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
 
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install.sh test
-.venv/bin/python -m polar_fast.harnesses install --all  # harness CLI bundles, cached
+.venv/bin/python -m polar_fast harnesses install --all  # harness CLI bundles, cached
 bash scripts/docker_up.sh
 
 cargo test -q --manifest-path rust/merge/Cargo.toml

@@ -53,7 +53,7 @@ def docker_required() -> None:
 @pytest.fixture(scope="session")
 def base_image(docker_required) -> str:
     """The built-in Debian image (python3, git), built once and cached by recipe hash."""
-    from polar_fast.sandboxes.images import ensure_base_image
+    from polar_fast.rollouts.sandboxes.images import ensure_base_image
 
     return ensure_base_image()
 
@@ -61,7 +61,7 @@ def base_image(docker_required) -> str:
 @pytest.fixture(scope="session")
 def bundles() -> dict[str, Path]:
     """Every harness bundle; installed by scripts/test.sh, so this is a cached no-op there."""
-    from polar_fast.harnesses import HARNESSES, default_bundle_root
+    from polar_fast.rollouts.harnesses import HARNESSES, default_bundle_root
 
     return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
 

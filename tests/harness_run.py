@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anyio
 
-from polar_fast.harnesses import AgentCommand
+from polar_fast.rollouts.harnesses import AgentCommand
 
 
 def write_home_files(cmd: AgentCommand, home: Path) -> None:

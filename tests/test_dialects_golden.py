@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from polar_fast.dialects import Completion, DialectError, ReplyMeta, ToolCall, anthropic, chat, responses
+from polar_fast.capture.dialects import DialectError, ReplyMeta, anthropic, responses
+from polar_fast.capture.dialects import chat_completions as chat
+from polar_fast.conversation import Completion, ToolCall
 
 DATA = Path(__file__).parent / "data" / "harness_requests"
 DIALECTS = {"codex": responses, "claude-code": anthropic, "qwen-code": chat, "pi": chat, "mini-swe-agent": chat}

@@ -1,9 +1,9 @@
 """The training run under torchrun: 2 gloo ranks, rank 0 running pools, proxy and engine.
 
 `torchrun --nproc_per_node 2 -m polar_fast --config run.toml` trains one step on a group the
-real mini-swe-agent produced in a local sandbox with scripted model choices (as test_app.py).
+real mini-swe-agent produced in a local sandbox with scripted model choices (as test_train.py).
 The policy is a tiny random Llama with SmolLM2's real tokenizer and chat template, so the two
-learner steps take seconds on CPU; test_app.py trains the real SmolLM2.
+learner steps take seconds on CPU; test_train.py trains the real SmolLM2.
 Then a single-process Learner built from the same config takes the step on the same captured
 calls and rewards: loss, grad norm and the checkpointed weights must match, which they only do
 if rank 1 really took its share of the micro-batches (FSDP2 averages gradients over ranks)
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import GROUP_REPLIES, toml_text
 
 from polar_fast.config import load_config
-from polar_fast.distributed import Message, _decoder, _encoder
+from polar_fast.learner.distributed import Message, _decoder, _encoder
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
-from test_app import GROUP_REPLIES, toml_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,8 +39,8 @@ def test_messages_round_trip_through_msgpack():
 
 
 def test_under_torchrun_a_device_index_is_refused(monkeypatch):
-    from polar_fast.distributed import init
     from polar_fast.errors import ConfigError
+    from polar_fast.learner.distributed import init
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="use 'cuda'"):

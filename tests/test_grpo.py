@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_packed_forward import branchy_calls, tiny_llama
 
-from polar_fast import merge_reference
 from polar_fast.config import LearnerConfig
 from polar_fast.grpo import Learner
+from polar_fast.merge import reference as merge_reference
 from polar_fast.records import Outcome, RolloutRecord
-from test_packed_forward import branchy_calls, tiny_llama
 
 
 def rollouts(rewards: dict[str, float | None]) -> list[RolloutRecord]:

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _step(world_learner_factory):
-    from polar_fast.records import Outcome, RolloutRecord
     from test_packed_forward import branchy_calls
+
+    from polar_fast.records import Outcome, RolloutRecord
 
     calls = branchy_calls(np.random.default_rng(11), 211)
     rollouts = [RolloutRecord(rollout_id=r, group_id="g", task_id="t", harness="h", outcome=Outcome.OK,
@@ -30,10 +31,11 @@ def _step(world_learner_factory):
 
 
 def _factory():
-    from polar_fast import merge_reference
+    from test_packed_forward import tiny_llama
+
     from polar_fast.config import LearnerConfig
     from polar_fast.grpo import Learner
-    from test_packed_forward import tiny_llama
+    from polar_fast.merge import reference as merge_reference
 
     # max_tokens 40 -> several micro-batches, an odd count, so one rank runs a filler pass
     return lambda: Learner(LearnerConfig(lr=1e-3), tiny_llama(), layout="tree", max_tokens=40,
@@ -68,6 +70,6 @@ if __name__ == "__main__":
     assert lrn.world == 2
     if dist.get_rank() == 0:
         torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "weights": weights}, sys.argv[1])
-    from polar_fast.distributed import shutdown
+    from polar_fast.learner.distributed import shutdown
 
     shutdown()

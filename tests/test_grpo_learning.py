@@ -11,14 +11,14 @@ import anyio
 import pytest
 import torch
 
-from polar_fast import merge_reference
 from polar_fast.config import EngineConfig, LearnerConfig, ModelConfig
 from polar_fast.engines import Sampling
 from polar_fast.engines.embedded import EmbeddedEngine
 from polar_fast.grpo import Learner
+from polar_fast.learner.weight_sync import EngineSync
+from polar_fast.merge import reference as merge_reference
 from polar_fast.model import load_model, load_tokenizer
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
-from polar_fast.weight_sync import EngineSync
 
 TARGET = {3, 4, 5, 6}
 VOCAB = 16

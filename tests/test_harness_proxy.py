@@ -36,12 +36,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-
 from harness_run import run_on_host
+
 from polar_fast.engines import Generation, Sampling
-from polar_fast.harnesses import get_harness
 from polar_fast.model import load_tokenizer
 from polar_fast.records import CallRecord
+from polar_fast.rollouts.harnesses import get_harness
 from polar_fast.testing import scripted_proxy
 
 FILE = "hello.txt"

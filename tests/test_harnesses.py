@@ -12,14 +12,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from harness_run import write_home_files
 from harness_servers import FakeModel, serve
-from polar_fast.harnesses import HARNESSES, AgentCommand, get_harness
-from polar_fast.harnesses import __main__ as cli
-from polar_fast.harnesses.bundles import MANIFEST, build_bundle, write_script
 
-FORWARDER = Path(__file__).parents[1] / "polar_fast" / "sandboxes" / "forwarder.py"
+from polar_fast import cli
+from polar_fast.rollouts.harnesses import HARNESSES, AgentCommand, get_harness
+from polar_fast.rollouts.harnesses.bundles import MANIFEST, build_bundle, write_script
+
+FORWARDER = Path(__file__).parents[1] / "polar_fast" / "rollouts" / "sandboxes" / "forwarder.py"
 ARGS = dict(prompt="fix the bug", proxy_url="http://127.0.0.1:9/s/tok123", api_key="tok123",
             model="served-model", home="/h", bundle="/b", max_steps=7)
 
@@ -86,7 +86,7 @@ def test_bundle_is_cached_and_built_atomically(tmp_path):
 
 
 def test_failed_bundle_check_leaves_nothing(tmp_path):
-    from polar_fast.harnesses.bundles import BundleError
+    from polar_fast.rollouts.harnesses.bundles import BundleError
 
     def build(tmp: Path) -> None:
         write_script(tmp / "bin" / "broken", "#!/bin/sh\necho boom >&2; exit 3\n")
@@ -98,8 +98,14 @@ def test_failed_bundle_check_leaves_nothing(tmp_path):
 
 def test_cli_rejects_unknown_names(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["install", "nope"])
+        cli.main(["harnesses", "install", "nope"])
     assert "unknown harness 'nope'" in capsys.readouterr().err
+
+
+def test_cli_asks_for_names_or_all(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["harnesses", "install"])
+    assert "--all" in capsys.readouterr().err
 
 
 @pytest.mark.anyio

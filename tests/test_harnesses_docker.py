@@ -1,6 +1,6 @@
 """The harness bundles mounted read-only into a `--network none` container built from the Debian
 minbase base image: each CLI reaches the fake model only through the mounted Unix socket and the
-loopback forwarder (polar_fast/sandboxes/forwarder.py), through the pools' docker sandbox."""
+loopback forwarder (polar_fast/rollouts/sandboxes/forwarder.py), through the pools' docker sandbox."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import aiodocker
 import pytest
-
 from harness_servers import FakeModel, serve
+
 from polar_fast.config import SandboxConfig
-from polar_fast.harnesses import get_harness
-from polar_fast.sandboxes import Mount, SandboxSpec
-from polar_fast.sandboxes.docker import DockerSandboxFactory
+from polar_fast.rollouts.harnesses import get_harness
+from polar_fast.rollouts.sandboxes import Mount, SandboxSpec
+from polar_fast.rollouts.sandboxes.docker import DockerSandboxFactory
 
 MODEL = "polar-test-model"
 BUNDLE_MOUNT = "/opt/polar/harness"

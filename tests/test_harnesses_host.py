@@ -7,10 +7,10 @@ from __future__ import annotations
 import secrets
 
 import pytest
-
 from harness_run import run_on_host
 from harness_servers import FakeModel, serve
-from polar_fast.harnesses import get_harness
+
+from polar_fast.rollouts.harnesses import get_harness
 
 MODEL = "polar-test-model"
 # harness -> the API path its requests use

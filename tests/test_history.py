@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from polar_fast.chat.history import History
-from polar_fast.dialects import Message, Tool, ToolCall
+from polar_fast.capture.history import History
+from polar_fast.conversation import Message, Tool, ToolCall
 from polar_fast.model import load_tokenizer
 from polar_fast.testing import renderer_with_template
 

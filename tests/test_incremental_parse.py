@@ -1,4 +1,4 @@
-"""Incremental request parsing (dialects/incremental.py) answers exactly what a full parse does.
+"""Incremental request parsing (capture/dialects/incremental.py) answers exactly what a full parse does.
 
 Sessions are built from the requests the five real CLIs sent (tests/data/harness_requests): the
 conversation grows one item at a time as a harness resends it, with random edits mixed in (an
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polar_fast.dialects import DialectError, anthropic, chat, responses
-from polar_fast.dialects.incremental import IncrementalParser
+from polar_fast.capture.dialects import DialectError, anthropic, responses
+from polar_fast.capture.dialects import chat_completions as chat
+from polar_fast.capture.dialects.incremental import IncrementalParser
 
 DATA = Path(__file__).parent / "data" / "harness_requests"
 DIALECTS = {"codex": responses, "claude-code": anthropic, "qwen-code": chat, "pi": chat, "mini-swe-agent": chat}

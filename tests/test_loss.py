@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from polar_fast import losses, merge_reference
 from polar_fast.config import LearnerConfig
 from polar_fast.grpo import build_step_batch
+from polar_fast.learner import losses
+from polar_fast.merge import reference as merge_reference
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
 
 

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from merge_traces import group_traces
 
 from polar_fast import merge as rust
-from polar_fast import merge_reference as reference
 from polar_fast.errors import MergeError
-from polar_fast.merged import EXTRA_FIELDS, TOKEN_FIELDS, Merged
+from polar_fast.merge import reference as reference
+from polar_fast.merge.arrays import EXTRA_FIELDS, TOKEN_FIELDS, Merged
 from polar_fast.records import CallRecord
-
-from merge_traces import group_traces
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUTS = ("tree", "paths")

@@ -1,4 +1,4 @@
-"""The hand-written _merge.pyi matches the extension, and the merge bench runs and holds its
+"""The hand-written _native.pyi matches the extension, and the merge bench runs and holds its
 correctness claims (timings are printed, never asserted)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_stub_matches_the_extension():
-    out = subprocess.run([sys.executable, "-m", "mypy.stubtest", "polar_fast._merge"],
+    out = subprocess.run([sys.executable, "-m", "mypy.stubtest", "polar_fast._native"],
                          capture_output=True, text=True, cwd="/", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 

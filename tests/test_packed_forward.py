@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from polar_fast import merge_reference, packed_attention
-from polar_fast.packed_forward import PackedLM, batch_tensors, dense_mask, loss_terms
+from polar_fast.learner import packed_attention
+from polar_fast.learner.packed_forward import PackedLM, batch_tensors, dense_mask, loss_terms
+from polar_fast.merge import reference as merge_reference
 from polar_fast.records import CallRecord
 
 

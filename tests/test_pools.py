@@ -9,12 +9,13 @@ import uuid
 import anyio
 import pytest
 
-import polar_fast.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
+import polar_fast.rollouts.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
 from polar_fast.config import PoolsConfig, SandboxConfig
-from polar_fast.pools import CommandAgent, Pools
+from polar_fast.pools import Pools
 from polar_fast.records import Outcome
-from polar_fast.sandboxes import make_sandbox_factory
-from polar_fast.tasks import load_builtin, prepare_repo
+from polar_fast.rollouts.agent import CommandAgent
+from polar_fast.rollouts.sandboxes import make_sandbox_factory
+from polar_fast.rollouts.tasks import load_builtin, prepare_repo
 
 pytestmark = pytest.mark.anyio
 BUILTIN = {t.repo.split("/")[1]: t for t in load_builtin()}
@@ -149,7 +150,7 @@ async def _empty_diff(box, task):
 
 
 async def _instant_score(box, task, diff, *, timeout_s):
-    from polar_fast.reward import EvalResult
+    from polar_fast.rollouts.reward import EvalResult
 
     return EvalResult(reward=1.0, tests={}, failed=[])
 

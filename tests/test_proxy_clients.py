@@ -16,7 +16,6 @@ import torch
 from polar_fast.config import parse_config
 from polar_fast.engines.embedded import EmbeddedEngine
 from polar_fast.model import load_model
-
 from polar_fast.testing import scripted_proxy, write_file_replies
 
 pytestmark = pytest.mark.anyio

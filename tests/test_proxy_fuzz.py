@@ -20,12 +20,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polar_fast.chat.render import Renderer
+from polar_fast.capture.recorder import Recorder
+from polar_fast.capture.render import Renderer
 from polar_fast.config import parse_config
 from polar_fast.engines.scripted import ScriptedEngine
 from polar_fast.model import load_tokenizer
 from polar_fast.proxy import ProxyState, make_app
-from polar_fast.recorder import Recorder
 from polar_fast.records import RecordLog
 
 pytestmark = pytest.mark.anyio

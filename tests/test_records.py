@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_fast._merge import crc32
-from polar_fast.dialects import Message
+from polar_fast.conversation import Message
 from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
@@ -30,6 +29,7 @@ from polar_fast.records import (
     whole_calls,
     whole_exchanges,
 )
+from polar_fast.wire import crc32
 
 
 def make_call(i: int) -> CallRecord:
@@ -237,7 +237,7 @@ def test_a_failed_put_fails_alone_and_leaves_nothing_in_the_log(tmp_path):
     each put is then written on its own, and only the middle one raises."""
     import asyncio
 
-    from polar_fast.recorder import Recorder
+    from polar_fast.capture.recorder import Recorder
 
     bad = msgspec.structs.replace(make_call(1), dialect=object())  # msgpack cannot encode it
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from polar_fast.chat.history import History
-from polar_fast.chat.parsers import parse_tool_calls, split_reasoning
-from polar_fast.chat.render import Renderer
-from polar_fast.dialects import Message, Tool, ToolCall
+from polar_fast.capture.history import History
+from polar_fast.capture.parsers import parse_tool_calls, split_reasoning
+from polar_fast.capture.render import Renderer
+from polar_fast.conversation import Message, Tool, ToolCall
 from polar_fast.model import load_tokenizer
 
 TOOLS = [Tool(name="bash", parameters={"type": "object", "properties": {"command": {"type": "string"}, "n": {"type": "integer"}}})]

@@ -6,11 +6,11 @@ import uuid
 
 import pytest
 
-import polar_fast.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
+import polar_fast.rollouts.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
 from polar_fast.config import SandboxConfig
-from polar_fast.reward import evaluate, parse_test_output
-from polar_fast.sandboxes import SandboxSpec, make_sandbox_factory
-from polar_fast.tasks import load_builtin
+from polar_fast.rollouts.reward import evaluate, parse_test_output
+from polar_fast.rollouts.sandboxes import SandboxSpec, make_sandbox_factory
+from polar_fast.rollouts.tasks import load_builtin
 
 BUILTIN = {t.repo.split("/")[1]: t for t in load_builtin()}
 
@@ -82,7 +82,7 @@ async def test_deleting_the_failing_tests_does_not_help(local_factory):
     task = BUILTIN["semver"]
     test_file = task.test_files()[0]
     async with local_factory.open(SandboxSpec()) as box:
-        from polar_fast.tasks import prepare_repo, repo_diff
+        from polar_fast.rollouts.tasks import prepare_repo, repo_diff
 
         await prepare_repo(box, task)
         await box.exec(["sh", "-c", f"git rm -q {test_file}"])

@@ -18,8 +18,8 @@ from polar_fast.config import RolloutServiceConfig, parse_config
 from polar_fast.errors import ConfigError
 from polar_fast.pools import RolloutGroup
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
-from polar_fast.rollout_service import FRAME_HEADER, RolloutService, decode_batch, open_rollout_service
-from polar_fast.tasks import load_builtin
+from polar_fast.rollouts.service import FRAME_HEADER, RolloutService, decode_batch, open_rollout_service
+from polar_fast.rollouts.tasks import load_builtin
 
 pytestmark = pytest.mark.anyio
 TASK = load_builtin()[0]

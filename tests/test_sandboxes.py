@@ -9,9 +9,9 @@ import uuid
 import anyio
 import pytest
 
-import polar_fast.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
+import polar_fast.rollouts.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
 from polar_fast.config import SandboxConfig
-from polar_fast.sandboxes import SandboxError, SandboxSpec, make_sandbox_factory, sandbox_class
+from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec, make_sandbox_factory, sandbox_class
 
 pytestmark = pytest.mark.anyio
 
@@ -118,7 +118,7 @@ async def test_unknown_kind_is_a_clear_error():
 
 @pytest.mark.docker
 async def test_docker_limits_labels_and_no_network(base_image):
-    from polar_fast.sandboxes import RUN_LABEL
+    from polar_fast.rollouts.sandboxes import RUN_LABEL
 
     run_id = f"t-{uuid.uuid4().hex[:8]}"
     f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=0.5, memory_mb=256, pids_limit=64), run_id=run_id)

@@ -1,4 +1,4 @@
-"""Suffix skeletons (chat/skeleton.py) give exactly the Jinja text after a reply, for the SmolLM2
+"""Suffix skeletons (capture/skeleton.py) give exactly the Jinja text after a reply, for the SmolLM2
 fallback template and other layouts, on random new messages; templates that trim, escape or
 branch on a message's text are caught (at learning, or by the checked and audited uses)."""
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polar_fast.chat import skeleton as sk
-from polar_fast.dialects import Message, Tool, ToolCall
+from polar_fast.capture import skeleton as sk
+from polar_fast.conversation import Message, Tool, ToolCall
 from polar_fast.model import load_tokenizer
 from polar_fast.testing import renderer_with_template
 

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from polar_fast.config import SandboxConfig
-from polar_fast.sandboxes import SandboxSpec, make_sandbox_factory
-from polar_fast.tasks import TaskError, load_builtin, load_tasks, patch_files, prepare_repo, repo_diff
+from polar_fast.rollouts.sandboxes import SandboxSpec, make_sandbox_factory
+from polar_fast.rollouts.tasks import TaskError, load_builtin, load_tasks, patch_files, prepare_repo, repo_diff
 
 BUILTIN = load_builtin()
 
@@ -98,7 +98,7 @@ def test_builtin_suite_is_eight_distinct_repos():
 
 def test_builtin_base_commit_is_what_git_computes(tmp_path):
     """The pure-Python hash must equal real git's commit of the same files."""
-    from polar_fast.tasks import snapshot_files
+    from polar_fast.rollouts.tasks import snapshot_files
 
     task = BUILTIN[0]
     for rel, data in snapshot_files(__import__("pathlib").Path(task.repo_snapshot)).items():

@@ -150,7 +150,7 @@ def test_bad_gpu_settings_are_refused(tmp_path, engine, message):
 def test_served_dir_links_the_model_and_disk_sync_never_writes_into_it(tmp_path):
     from safetensors.torch import load_file
 
-    from polar_fast.weight_sync import save_safetensors
+    from polar_fast.learner.weight_sync import save_safetensors
 
     source = tiny_hf_dir(tmp_path / "model")
     served = prepare_model_dir(source, tmp_path / "weights")
@@ -238,7 +238,7 @@ async def test_launch_serve_and_stop_the_whole_process_group(tmp_path, fake_vllm
     async with launched_vllm(cfg, tmp_path / "run", emit=lambda kind, data: events.append(data)) as served:
         assert served.engine.url.startswith("http://127.0.0.1:") and cfg.engine.url == ""
         seen = await read_record(fake_vllm)
-        engine = await anyio.to_thread.run_sync(build_engine, served)
+        engine = await anyio.to_thread.run_sync(build_engine, served.model, served.engine)
         try:
             gen = await engine.generate([1, 2, 3, 4], Sampling(max_tokens=3), session_id="s")
         finally:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from polar_fast.weight_sync import DiskSync, EngineSync, VllmTransferSync, WeightSyncError
+from polar_fast.learner.weight_sync import DiskSync, EngineSync, VllmTransferSync, WeightSyncError
 
 
 class RecordingEngine:

@@ -17,7 +17,7 @@ from polar_fast.errors import PolarError
 if TYPE_CHECKING:
     import torch
 
-    from polar_fast.config import Config
+    from polar_fast.config import EngineConfig, ModelConfig
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,10 +80,10 @@ from polar_fast.engines.vllm import VllmEngine  # noqa: E402
 ENGINES: dict[str, type] = {"embedded": EmbeddedEngine, "scripted": ScriptedEngine, "vllm": VllmEngine}
 
 
-def build_engine(cfg: Config) -> Engine:
-    """The engine named by `cfg.engine.kind`, built from the whole config."""
+def build_engine(model: ModelConfig, engine: EngineConfig) -> Engine:
+    """The engine named by `engine.kind`, serving `model`."""
     try:
-        cls = ENGINES[cfg.engine.kind]
+        cls = ENGINES[engine.kind]
     except KeyError:
-        raise EngineError(f"unknown engine kind {cfg.engine.kind!r}; known: {sorted(ENGINES)}") from None
-    return cls.from_config(cfg)
+        raise EngineError(f"unknown engine kind {engine.kind!r}; known: {sorted(ENGINES)}") from None
+    return cls.from_config(model, engine)

@@ -20,7 +20,7 @@ from polar_fast.engines import Generation, Sampling
 if TYPE_CHECKING:
     import torch
 
-    from polar_fast.config import Config, EngineConfig, ModelConfig
+    from polar_fast.config import EngineConfig, ModelConfig
 
 
 class EmbeddedEngine:
@@ -39,8 +39,8 @@ class EmbeddedEngine:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def from_config(cls, cfg: Config) -> EmbeddedEngine:
-        return cls(cfg.model, cfg.engine)
+    def from_config(cls, model: ModelConfig, engine: EngineConfig) -> EmbeddedEngine:
+        return cls(model, engine)
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""

@@ -1,7 +1,7 @@
 """A small keep-alive HTTP/1.1 client for the engine's hot path: POST a JSON body, read the reply.
 
-The proxy makes one engine call per model call, each carrying a whole prompt; aiohttp's client
-spent more CPU per call than the rest of the engine path (bench/proxy_bench.py --engine vllm).
+The proxy makes one engine call per model call, each carrying a whole prompt, so the client's
+own CPU per call matters more than its features (aiohttp's client does much we never use).
 This speaks what `vllm serve` (uvicorn) and other plain HTTP/1.1 servers answer: replies framed
 by Content-Length, chunked, or the end of the connection; keep-alive unless the server says
 close. A request on a reused connection that the server had closed while it sat idle (uvicorn

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from polar_fast.engines import EngineUnavailable, Generation, Sampling
 
 if TYPE_CHECKING:
-    from polar_fast.config import Config
+    from polar_fast.config import EngineConfig, ModelConfig
 
 
 class ScriptedEngine:
@@ -34,10 +34,10 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []  # every prompt seen, in order (for tests)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> ScriptedEngine:
+    def from_config(cls, model: ModelConfig, engine: EngineConfig) -> ScriptedEngine:
         from polar_fast.model import load_tokenizer
 
-        return cls(list(cfg.engine.scripted_replies), load_tokenizer(cfg.model.path))
+        return cls(list(engine.scripted_replies), load_tokenizer(model.path))
 
     @staticmethod
     def _to_ids(reply: list[int] | str, tokenizer) -> list[int]:

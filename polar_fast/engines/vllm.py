@@ -32,7 +32,7 @@ from polar_fast.engines.vllm_wire import PromptJsonCache, without_prompt_echo
 if TYPE_CHECKING:
     import aiohttp
 
-    from polar_fast.config import Config
+    from polar_fast.config import EngineConfig, ModelConfig
 
 
 class _LogprobsView(msgspec.Struct):
@@ -85,11 +85,11 @@ class VllmEngine:
         self._prompt_json = PromptJsonCache()
 
     @classmethod
-    def from_config(cls, cfg: Config) -> VllmEngine:
-        e = cfg.engine
+    def from_config(cls, model: ModelConfig, engine: EngineConfig) -> VllmEngine:
+        e = engine
         return cls(
             e.url,
-            model=cfg.model.name,
+            model=model.name,
             timeout_s=e.timeout_s,
             max_retries=e.max_retries,
             data_parallel_size=e.data_parallel_size,

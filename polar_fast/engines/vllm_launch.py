@@ -1,7 +1,7 @@
 """Starting `vllm serve` for a run: `engine.kind = "vllm"` with `engine.url = ""`.
 
     async with launched_vllm(cfg, run_dir, emit=emit) as cfg:  # cfg.engine.url now set
-        engine = build_engine(cfg)
+        engine = build_engine(cfg.model, cfg.engine)
 
 Never imports vllm: it runs the `vllm` executable (PATH first, then beside this Python) as a
 child in its own process group, and talks HTTP to it. Choices:
@@ -56,7 +56,7 @@ from polar_fast.engines import EngineUnavailable
 if TYPE_CHECKING:
     from polar_fast.config import Config
 
-WEIGHTS_DIR = "weights"  # under the run dir; app.py's DiskSync writes model.safetensors here
+WEIGHTS_DIR = "weights"  # under the run dir; train.py's DiskSync writes model.safetensors here
 LOG_NAME = "vllm.log"
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL
 POLL_S = 0.5

@@ -4,7 +4,7 @@ coming back.
 A session's prompts grow call by call (exact history: each one is the last one plus the model's
 reply plus the new turn), and `/v1/completions` takes the whole prompt as JSON every time: 1e4-1e5
 ids. `PromptJsonCache` keeps each session's last prompt with its JSON and formats only the ids a
-new prompt adds (in Rust, `_merge.json_int32s`). vLLM answers `return_token_ids` by echoing the
+new prompt adds (in Rust, `polar_fast.wire.json_int32s`). vLLM answers `return_token_ids` by echoing the
 whole prompt back; `without_prompt_echo` cuts that out before the reply is decoded.
 """
 
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import msgspec
 
-from polar_fast._merge import json_int32s
+from polar_fast.wire import json_int32s
 
 
 class PromptJsonCache:

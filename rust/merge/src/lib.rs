@@ -1,6 +1,9 @@
-//! polar_fast._merge: the prefix-trie merge and the byte-level BPE encoder as Python sees them.
-//! This is the only file that knows pyo3; trie.rs, pack.rs and bpe.rs are plain Rust with their
-//! own cargo tests.
+//! polar_fast._native: the Rust parts of polar_fast as Python sees them. This is the only file
+//! that knows pyo3, and its `#[pymodule]` at the end is the one export list. The algorithms live
+//! in plain-Rust modules with their own cargo tests, one per job:
+//!   merge     the prefix-trie merge and micro-batch packing  (Python face: polar_fast/merge)
+//!   tokenize  byte-level BPE identical to HF tokenizers      (polar_fast/capture/tokenizer.py)
+//!   wire      JSON spans and id codecs of the proxy's bytes  (polar_fast/wire)
 //!
 //! Only plain data crosses: msgpack bytes or a list of record objects in, numpy arrays out (moved,
 //! not copied). The heavy part runs with the GIL released (`py.detach`).
@@ -9,17 +12,15 @@ use numpy::{IntoPyArray, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-pub mod bpe;
-mod bpe_unicode;
-pub mod error;
-pub mod jsonscan;
-pub mod pack;
-pub mod pretokenize;
-pub mod record;
-pub mod trie;
+pub mod merge;
+pub mod tokenize;
+pub mod wire;
 
-use error::MergeError as RustMergeError;
-use record::Call;
+use merge::error::MergeError as RustMergeError;
+use merge::record::Call;
+use merge::{pack, record, trie};
+use tokenize::bpe;
+use wire::{ints, jsonscan};
 
 pyo3::import_exception!(polar_fast.errors, MergeError);
 
@@ -92,10 +93,10 @@ fn stats_dict<'py>(py: Python<'py>, s: &trie::Stats) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
-/// Merge a group's calls into one trie and flatten it; see polar_fast/merge.py.
+/// Merge a group's calls into one trie and flatten it; see polar_fast/merge/__init__.py.
 #[pyfunction]
-#[pyo3(signature = (calls, *, layout = "tree"))]
-fn merge<'py>(py: Python<'py>, calls: &Bound<'py, PyAny>, layout: &str) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(name = "merge", signature = (calls, *, layout = "tree"))]
+fn merge_calls<'py>(py: Python<'py>, calls: &Bound<'py, PyAny>, layout: &str) -> PyResult<Bound<'py, PyDict>> {
     let tree = match layout {
         "tree" => true,
         "paths" => false,
@@ -132,7 +133,7 @@ fn flatten(mut trie: trie::Trie, tree: bool) -> (trie::Layout, trie::Trie) {
     (out, trie)
 }
 
-/// Micro-batch plans for merged arrays; see polar_fast/merge.py `pack_plans`.
+/// Micro-batch plans for merged arrays; see polar_fast/merge/__init__.py `pack_plans`.
 #[pyfunction]
 #[pyo3(signature = (parent, size, offsets, loss_mask, extra_index, *, layout, max_tokens))]
 #[allow(clippy::too_many_arguments)]
@@ -187,8 +188,8 @@ fn detach_if<T: Send>(py: Python<'_>, detach: bool, f: impl FnOnce() -> T + Send
     }
 }
 
-/// A byte-level BPE tokenizer that encodes exactly as HF `tokenizers`; see polar_fast/fast_tokenizer.py.
-#[pyclass(module = "polar_fast._merge", frozen)]
+/// A byte-level BPE tokenizer that encodes exactly as HF `tokenizers`; see polar_fast/capture/tokenizer.py.
+#[pyclass(module = "polar_fast._native", frozen)]
 struct BpeEncoder(bpe::BpeEncoder);
 
 #[pymethods]
@@ -210,28 +211,26 @@ impl BpeEncoder {
     }
 
     /// The ids of `encode(text)` as native-endian int32 bytes, for `array("i").frombytes`: no
-    /// Python int per token (the proxy's per-call suffix is ~1e3 tokens).
+    /// Python int per token.
     fn encode_bytes<'py>(&self, py: Python<'py>, text: &str) -> Bound<'py, PyBytes> {
         let ids = detach_if(py, text.len() >= DETACH_BYTES, || self.0.encode(text));
-        let bytes: Vec<u8> = ids.iter().flat_map(|&id| (id as i32).to_ne_bytes()).collect();
-        PyBytes::new(py, &bytes)
+        PyBytes::new(py, &ints::ne_int32_bytes(&ids))
     }
 }
 
-/// CRC-32 (zlib's polynomial, so `zlib.crc32(data)`) of a record frame, with SIMD folding: the
-/// proxy checksums ~1e5 bytes per call, ~4x faster than zlib here.
+/// CRC-32 (zlib's polynomial, so `zlib.crc32(data)`) of a record frame, with SIMD folding.
 #[pyfunction]
 fn crc32(py: Python<'_>, data: &[u8]) -> u32 {
-    detach_if(py, data.len() >= 64 * DETACH_BYTES, || crc32fast::hash(data)) // ~1 us per 50 kB
+    detach_if(py, data.len() >= 64 * DETACH_BYTES, || crc32fast::hash(data))
 }
 
-/// (start, end) byte offsets of top-level `key`'s value in a JSON object; see jsonscan.rs.
+/// (start, end) byte offsets of top-level `key`'s value in a JSON object; see wire/jsonscan.rs.
 #[pyfunction]
 fn json_value_span(body: &[u8], key: &str) -> Option<(usize, usize)> {
     jsonscan::top_level_value(body, key.as_bytes())
 }
 
-/// The (start, end) offsets of an array's elements and of its closing bracket; see jsonscan.rs.
+/// The (start, end) offsets of an array's elements and of its closing bracket; see wire/jsonscan.rs.
 #[pyfunction]
 #[pyo3(signature = (body, at, *, after_item = false))]
 fn json_array_items(body: &[u8], at: usize, after_item: bool) -> Option<(Vec<(usize, usize)>, usize)> {
@@ -245,47 +244,11 @@ fn int32_cells<'a>(py: Python<'a>, ids: &'a pyo3::buffer::PyBuffer<i32>) -> PyRe
 }
 
 /// MessagePack of a list of int32 (what msgspec writes for `list(ids)`), straight from an
-/// `array("i")`: the proxy records ~1e3-1e5 prompt ids per call without a Python int each.
+/// `array("i")`; see wire/ints.rs.
 #[pyfunction]
 fn msgpack_int32s<'py>(py: Python<'py>, ids: pyo3::buffer::PyBuffer<i32>) -> PyResult<Bound<'py, PyBytes>> {
     let cells = int32_cells(py, &ids)?;
-    let n = cells.len();
-    let mut out = Vec::with_capacity(5 + 3 * n);
-    if n < 16 {
-        out.push(0x90 | n as u8);
-    } else if n < 1 << 16 {
-        out.push(0xdc);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xdd);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
-    for cell in cells {
-        let v = cell.get();
-        match v {
-            0..=127 => out.push(v as u8),
-            -32..=-1 => out.push(v as i8 as u8),
-            128..=255 => out.extend_from_slice(&[0xcc, v as u8]),
-            256..=65535 => {
-                out.push(0xcd);
-                out.extend_from_slice(&(v as u16).to_be_bytes());
-            }
-            65536.. => {
-                out.push(0xce);
-                out.extend_from_slice(&(v as u32).to_be_bytes());
-            }
-            -128..=-33 => out.extend_from_slice(&[0xd0, v as i8 as u8]),
-            -32768..=-129 => {
-                out.push(0xd1);
-                out.extend_from_slice(&(v as i16).to_be_bytes());
-            }
-            _ => {
-                out.push(0xd2);
-                out.extend_from_slice(&v.to_be_bytes());
-            }
-        }
-    }
-    Ok(PyBytes::new(py, &out))
+    Ok(PyBytes::new(py, &ints::msgpack_int32s(cells.iter().map(|c| c.get()))))
 }
 
 /// Length of the longest common prefix of two byte strings.
@@ -295,30 +258,16 @@ fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
 }
 
 /// JSON of a list of int32 (what msgspec writes for `list(ids)`: `[1,2,3]`), straight from an
-/// `array("i")`: the vLLM engine sends a whole prompt (~1e4-1e5 ids) as JSON on every call, and a
-/// Python int per id made that the proxy's largest cost per call.
+/// `array("i")`; see wire/ints.rs.
 #[pyfunction]
 fn json_int32s<'py>(py: Python<'py>, ids: pyo3::buffer::PyBuffer<i32>) -> PyResult<Bound<'py, PyBytes>> {
     let cells = int32_cells(py, &ids)?;
-    // One pass into a buffer sized for the widest ids, then one copy (~3 us per 1e5 bytes): a
-    // first pass that measured each id spent more on mispredicted branches than on the digits.
-    let mut out = Vec::with_capacity(2 + 12 * cells.len());
-    let mut digits = itoa::Buffer::new();
-    out.push(b'[');
-    for cell in cells {
-        out.extend_from_slice(digits.format(cell.get()).as_bytes());
-        out.push(b',');
-    }
-    match out.last_mut() {
-        Some(last @ b',') => *last = b']',
-        _ => out.push(b']'),
-    }
-    Ok(PyBytes::new(py, &out))
+    Ok(PyBytes::new(py, &ints::json_int32s(cells.iter().map(|c| c.get()))))
 }
 
 #[pymodule]
-fn _merge(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(merge, m)?)?;
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(merge_calls, m)?)?;
     m.add_function(wrap_pyfunction!(crc32, m)?)?;
     m.add_function(wrap_pyfunction!(json_value_span, m)?)?;
     m.add_function(wrap_pyfunction!(json_array_items, m)?)?;

@@ -1,0 +1,166 @@
+"""Packed forward of any HF causal LM over a merged micro-batch, and the sampled tokens' logprobs.
+
+One attention rule serves both layouts: query q may attend key k iff k <= q < k + size[k]
+(merge arrays). For `paths` this is block-diagonal causal attention (position ids restart at 0
+in every sequence); for `tree` it is the ancestor rule of the DFS-flattened trie, with depth as
+the position id, so a shared prefix is computed once for all its branches.
+
+Masks: the learner's SDPA choice (CPU, or GPU without flex) is packed_attention.NAME, which
+never builds the (T, T) mask: a plan from `size`, made once per micro-batch and shared by every
+layer, runs causal SDPA per `paths` sequence and, in a tree, each block of queries against only
+its ancestors (see learner/packed_attention.py). A model left on plain "sdpa" gets an explicit boolean
+(1, 1, T, T) mask; eager gets the same as an additive float mask; `flex_attention` gets a
+FlexAttention BlockMask built from the same rule, which skips fully masked blocks (the sparse
+part of a tree). transformers passes a 4D mask / BlockMask through to the attention function
+untouched. We do not special-case flash-attn varlen for `paths`: the BlockMask is equally sparse
+for block-diagonal masks.
+
+Logprobs. The logprob of a sampled token q is read from the hidden state of its PARENT
+(parent[q]), not of q - 1: in a tree the token before q in DFS order may sit on another branch.
+Only rows that carry a loss term are sent through the LM head, `chunk_tokens` rows at a time,
+each chunk but the last under activation checkpointing, so (chunk, vocab) logits exist for one
+chunk at a time in forward and backward and full logits never materialise for a long sequence.
+The last chunk's backward follows right after its forward, so it is kept, not recomputed; the
+short remainder chunk goes first, so that the kept one is a full chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from polar_fast.learner import packed_attention
+
+
+class Terms(NamedTuple):
+    """The loss terms of one micro-batch: one per sampled token, plus one per extra sample.
+
+    All (N,) numpy arrays; `position` is local to the micro-batch, `sequence` is the local
+    sequence index (from offsets), `rollout` indexes the merge's rollout_ids."""
+
+    position: np.ndarray  # int64
+    rollout: np.ndarray  # int64
+    behaviour_logp: np.ndarray  # float32
+    version: np.ndarray  # int64
+    sequence: np.ndarray  # int64
+
+
+def loss_terms(batch: Any) -> Terms:
+    """Primary samples (loss_mask == 1) followed by extra samples of already-masked tokens."""
+    masked = np.flatnonzero(np.asarray(batch.loss_mask))
+    extra = np.asarray(batch.extra_index, dtype=np.int64)
+    position = np.concatenate([masked, extra]).astype(np.int64)
+    rollout = np.concatenate([np.asarray(batch.rollout)[masked], np.asarray(batch.extra_rollout)])
+    behaviour = np.concatenate([np.asarray(batch.logprobs)[masked], np.asarray(batch.extra_logprob)])
+    version = np.concatenate([np.asarray(batch.versions)[masked], np.asarray(batch.extra_version)])
+    sequence = np.searchsorted(np.asarray(batch.offsets), position, side="right") - 1
+    return Terms(
+        position=position,
+        rollout=rollout.astype(np.int64),
+        behaviour_logp=behaviour.astype(np.float32),
+        version=version.astype(np.int64),
+        sequence=sequence.astype(np.int64),
+    )
+
+
+def dense_mask(size: torch.Tensor) -> torch.Tensor:
+    """(1, 1, T, T) bool: True where query q may attend key k (k <= q < k + size[k])."""
+    t = size.shape[0]
+    idx = torch.arange(t, device=size.device)
+    q, k = idx[:, None], idx[None, :]
+    return ((k <= q) & (q < k + size[None, :]))[None, None]
+
+
+def block_mask(size: torch.Tensor) -> Any:
+    """FlexAttention BlockMask of the same rule (GPU; imported lazily)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, k):  # noqa: ARG001 - FlexAttention's signature
+        return (k <= q) & (q < k + size[k])
+
+    t = size.shape[0]
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=size.device)
+
+
+def attention_mask_for(model: nn.Module, size: torch.Tensor, dtype: torch.dtype) -> Any:
+    """The mask in the form the model's attention implementation takes."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == "flex_attention":
+        return block_mask(size)
+    mask = dense_mask(size)
+    if impl == "eager":  # eager adds the mask to the scores
+        return torch.zeros(mask.shape, dtype=dtype, device=size.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    return mask
+
+
+class PackedLM(nn.Module):
+    """Wraps a HF causal LM: packed micro-batch in, logprobs of chosen tokens out.
+
+    Being one module matters for FSDP2: sharding this wrapper makes its forward unshard the
+    embedding and LM head, which we call directly instead of the HF model's forward."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.softcap = getattr(lm.config, "final_logit_softcapping", None)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (T,) long
+        positions: torch.Tensor,  # (T,) long
+        size: torch.Tensor,  # (T,) long
+        source: torch.Tensor,  # (N,) long: row whose hidden state predicts the term's token
+        target: torch.Tensor,  # (N,) long: the sampled token
+        chunk_tokens: int = 1024,
+    ) -> torch.Tensor:  # (N,) float32 logprobs
+        decoder = self.lm.get_decoder()
+        if getattr(self.lm.config, "_attn_implementation", None) == packed_attention.NAME:
+            extra = {"attention_mask": None, "packed_plan": packed_attention.plan(size, self.lm.dtype)}
+        else:
+            extra = {"attention_mask": attention_mask_for(self.lm, size, self.lm.dtype)}
+        hidden = decoder(
+            input_ids=tokens[None], position_ids=positions[None], use_cache=False, **extra
+        ).last_hidden_state[0]  # (T, H)
+        rows = hidden.index_select(0, source)  # (N, H)
+        head = self.lm.get_output_embeddings()
+        n = rows.shape[0]
+        bounds = [0, *range(n % chunk_tokens or chunk_tokens, n + 1, chunk_tokens)]  # a short chunk first
+        parts = []
+        for start, stop in zip(bounds, bounds[1:]):
+            h, t = rows[start:stop], target[start:stop]
+            if torch.is_grad_enabled() and stop < n:  # the last chunk's backward follows at once
+                parts.append(checkpoint(self._chunk_logprobs, head, h, t, use_reentrant=False))
+            else:
+                parts.append(self._chunk_logprobs(head, h, t))
+        if not parts:
+            return hidden.new_zeros(0, dtype=torch.float32) + hidden.sum().float() * 0
+        return torch.cat(parts)
+
+    def _chunk_logprobs(self, head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = head(h).float()  # (chunk, V): the only place logits exist
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return -F.cross_entropy(logits, t, reduction="none")  # log_softmax(logits)[t], one fused kernel
+
+
+def batch_tensors(batch: Any, terms: Terms, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The PackedLM inputs of one micro-batch, on `device`."""
+    tokens = torch.as_tensor(np.asarray(batch.tokens, dtype=np.int64), device=device)
+    parent = np.asarray(batch.parent, dtype=np.int64)
+    source = parent[terms.position]
+    if (source < 0).any():
+        raise ValueError("a loss term sits at a sequence root: a sampled token needs a prompt before it")
+    return {
+        "tokens": tokens,
+        "positions": torch.as_tensor(np.asarray(batch.positions, dtype=np.int64), device=device),
+        "size": torch.as_tensor(np.asarray(batch.size, dtype=np.int64), device=device),
+        "source": torch.as_tensor(source, device=device),
+        "target": tokens[torch.as_tensor(terms.position, device=device)],
+    }

@@ -1,0 +1,100 @@
+"""What a person watching a run sees: a live status line and step bar while it runs, a summary
+table at the end. Built on rich; disabled (quiet) it prints only the summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+
+
+class Progress:
+    def __init__(self, *, steps: int, enabled: bool = True, console: Console | None = None) -> None:
+        self.steps = steps
+        self.console = console or Console(stderr=True)
+        self.enabled = enabled
+        self._bar: RichProgress | None = None
+        self._steps = None
+        self._status = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            self._bar = RichProgress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=self.console,
+            )
+            self._bar.__enter__()
+            self._steps = self._bar.add_task("steps", total=self.steps, detail="")
+            self._status = self._bar.add_task("rollouts", total=None, detail="starting")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def event(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "info":
+            self.console.log(data["message"]) if self.enabled else None
+            return
+        if self._bar is None:
+            return
+        if kind == "status":
+            detail = (f"queued {data['queued']}  booting {data['booting']}  running {data['running']}  "
+                      f"evaluating {data['evaluating']}  ready groups {data['groups_ready']}  "
+                      f"policy v{data['version']}")
+            self._bar.update(self._status, completed=data["rollouts_done"], detail=detail)
+            self._bar.update(self._steps, completed=data["step"])
+        elif kind == "step":
+            self._bar.update(self._steps, completed=int(data["learner/step"]),
+                             detail=f"reward {data['reward/mean']:.2f}  loss {data['learner/loss']:.4f}")
+
+    def print_summary(self, summary, *, console: Console | None = None) -> None:
+        console = console or Console()
+        console.print(summary_table(summary.steps, width=console.width))
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())) or "none"
+        console.print(f"outcomes: {outcomes}; groups trained {summary.groups_trained}, "
+                      f"withheld as stale {summary.groups_withheld}; calls {summary.calls}, "
+                      f"sampled tokens {summary.sampled_tokens}"
+                      + ("; stopped early on request" if summary.stopped_early else ""))
+        if summary.leftovers_removed:
+            console.print(f"removed {summary.leftovers_removed} sandboxes left by an earlier run")
+        console.print(f"checkpoint: {summary.checkpoint}")
+
+
+# (header, metrics key, format), most important first: a narrow terminal keeps a prefix of these
+SUMMARY_COLUMNS = [
+    ("step", "learner/step", "{:.0f}"),
+    ("reward", "reward/mean", "{:.3f}"),
+    ("rollouts", "learner/n_rollouts", "{:.0f}"),
+    ("sampled\ntokens", "proxy/sampled_tokens", "{:.0f}"),
+    ("forwarded\ntokens", "merge/tokens_forwarded", "{:.0f}"),
+    ("loss", "learner/loss", "{:.4f}"),
+    ("grad\nnorm", "learner/grad_norm", "{:.3f}"),
+    ("step s", "step_time_s", "{:.1f}"),
+    ("per-call /\nmerged", "merge/per_call_over_merged", "{:.2f}"),
+    ("clip", "learner/clip_frac", "{:.3f}"),
+    ("reward\nstd", "reward/std", "{:.3f}"),
+    ("zero-var\ngroups", "reward/zero_variance_groups", "{:.0f}"),
+    ("max\nstaleness", "staleness/max", "{:.0f}"),
+]
+
+
+def summary_table(steps: list[dict], *, width: int) -> Table:
+    """The per-step table, with as many columns as fit in `width` characters, never cut cells."""
+    cells = [[fmt.format(s[key]) if key in s else "-" for _, key, fmt in SUMMARY_COLUMNS] for s in steps]
+    chosen, used = [], 1
+    for i, (header, _, _) in enumerate(SUMMARY_COLUMNS):
+        need = max([len(line) for line in header.split("\n")] + [len(row[i]) for row in cells]) + 3
+        if used + need > width and chosen:
+            break
+        chosen.append(i)
+        used += need
+    table = Table(title="polar_fast run summary")
+    for i in chosen:
+        table.add_column(SUMMARY_COLUMNS[i][0], justify="right", no_wrap=True)
+    for row in cells:
+        table.add_row(*(row[i] for i in chosen))
+    return table

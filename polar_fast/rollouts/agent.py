@@ -1,0 +1,126 @@
+"""The agent stage's runners: what the pools' agent workers call for each rollout.
+
+`AgentRunner` is the interface; `CommandAgent` runs one scripted shell command (tests, dry runs);
+`HarnessAgent` is the runner for real harnesses: one proxy session per rollout, the harness CLI
+in its sandbox, pointed at that session.
+
+    agent = HarnessAgent(proxy, get_harness("codex"), bundle_dir, model="qwen3", ...)
+    Pools(cfg.pools, factory, agent, agent_timeout_s=...)
+
+The harness bundle (Node + npm CLI, or mini-swe-agent's site dir) is mounted read-only. In a
+Docker box with `network = "none"` the proxy's Unix socket is mounted and a forwarder inside
+answers on loopback; with host networking or the local sandbox the harness reaches the proxy's
+TCP port directly. The session is closed when the run ends; its calls are kept here until the
+training loop takes the finished group (`take_calls`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import msgspec
+
+from polar_fast.errors import PolarError
+from polar_fast.records import CallRecord
+from polar_fast.rollouts.harnesses import Harness
+from polar_fast.rollouts.sandboxes import Mount, SandboxSpec
+from polar_fast.rollouts.tasks import Task
+
+if TYPE_CHECKING:
+    from polar_fast.proxy import Proxy
+
+BUNDLE_MOUNT = "/opt/polar/harness"
+PROXY_PORT_IN_BOX = 18080  # loopback port the forwarder listens on inside a network-none box
+OUTPUT_TAIL_CHARS = 4000
+
+
+class AgentInfraError(PolarError):
+    """The agent could not do its work for reasons outside it (AgentResult.infra_error)."""
+
+
+class AgentResult(msgspec.Struct, frozen=True, kw_only=True):
+    exit_code: int
+    timed_out: bool = False
+    n_calls: int = 0  # model calls the proxy captured for this rollout
+    infra_error: str = ""  # set when the agent could not run for reasons outside it (engine down)
+    output_tail: str = ""
+
+
+class AgentRunner(Protocol):
+    name: str
+
+    def spec(self, task: Task, rollout_id: str) -> SandboxSpec: ...
+
+    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult: ...
+
+
+class CommandAgent:
+    """A scripted agent: one shell command in the task repo (tests, dry runs; no model)."""
+
+    def __init__(self, script: str | Callable[[Task], str], *, name: str = "scripted") -> None:
+        self.script = script
+        self.name = name
+
+    def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
+        return SandboxSpec(name=rollout_id, image=task.image)
+
+    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
+        script = self.script(task) if callable(self.script) else self.script
+        env = {"POLAR_ROLLOUT_ID": rollout_id, "POLAR_GROUP_ID": group_id}
+        done = await box.exec(["sh", "-c", script], env=env, cwd=box.workdir, timeout_s=timeout_s)
+        return AgentResult(exit_code=done.exit_code, timed_out=done.timed_out,
+                           output_tail=(done.stdout[-1000:] + done.stderr[-1000:]))
+
+
+class HarnessAgent:
+    def __init__(self, proxy: Proxy, harness: Harness, bundle: Path, *, model: str, max_steps: int,
+                 use_socket: bool) -> None:
+        self.proxy = proxy
+        self.harness = harness
+        self.name = harness.name
+        self.model = model
+        self.max_steps = max_steps
+        self.use_socket = use_socket and bool(proxy.unix_socket)
+        self.mount = Mount(source=str(bundle), target=f"{BUNDLE_MOUNT}/{harness.name}", read_only=True)
+        self._calls: dict[str, list[CallRecord]] = {}  # rollout id -> its captured calls, until taken
+
+    def take_calls(self, rollout_ids: list[str], group_id: str) -> list[CallRecord]:
+        """The calls of a finished group's final rollouts, in rollout order. Calls of attempts
+        that hit an infra error (other ids of the same group) are dropped here; they stay in the
+        record log."""
+        calls = [c for rid in rollout_ids for c in self._calls.pop(rid, [])]
+        for rid in [r for r in self._calls if r.startswith(f"{group_id}-")]:
+            del self._calls[rid]
+        return calls
+
+    def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
+        if self.use_socket:
+            return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount],
+                               proxy_port=PROXY_PORT_IN_BOX, proxy_socket=self.proxy.unix_socket)
+        port = int(self.proxy.base_url.rsplit(":", 1)[1])
+        return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount], proxy_port=port)
+
+    async def run(self, box, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
+        session = self.proxy.new_session(rollout_id, group_id)
+        try:
+            cmd = self.harness.command(
+                prompt=task.problem_statement, proxy_url=f"{box.proxy_url}/s/{session.token}",
+                api_key=session.token, model=self.model, home=box.home, bundle=box.path(self.mount.target),
+                max_steps=self.max_steps,
+            )
+            await box.write_files({f"{box.home}/{rel}": text for rel, text in cmd.files.items()})
+            result = await box.exec(cmd.argv, env=cmd.env, cwd=box.workdir, timeout_s=timeout_s)
+        finally:
+            self.proxy.close_session(session.token)  # late requests now get 401
+            self._calls[rollout_id] = await asyncio.to_thread(session.records)
+        output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
+        failed = result.exit_code != 0 or result.timed_out
+        infra = ""
+        if failed and session.engine_failures:
+            # the harness gave up because the engine did not answer: the pools retry the rollout
+            # instead of scoring it 0
+            infra = f"the engine failed {session.engine_failures} of this rollout's model calls"
+        return AgentResult(exit_code=result.exit_code, timed_out=result.timed_out, n_calls=session.n_calls,
+                           infra_error=infra, output_tail=output)

@@ -1,0 +1,65 @@
+"""Harness adapters: how each coding-agent CLI is installed, configured and started.
+
+An adapter knows three things about its CLI and nothing else: how to build a self-contained bundle
+(`install`), which config files and environment variables point it at our proxy, and its
+non-interactive command line (`command`). Running the command (sandbox, timeout, process-tree
+kill) belongs to the pools and sandboxes.
+
+Every command gets a private HOME, the session token as the API key, the served model name,
+approvals off, telemetry and update checks off. `proxy_url` is `http://127.0.0.1:PORT/s/<token>`
+(no `/v1`); each adapter appends what its client needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from polar_fast.rollouts.harnesses.bundles import BundleError, default_bundle_root
+
+
+class AgentCommand(msgspec.Struct, frozen=True, kw_only=True):
+    argv: list[str]  # run with cwd = the task repo inside the sandbox
+    env: dict[str, str]  # full environment additions (HOME, PATH, keys, ...)
+    files: dict[str, str]  # path relative to HOME -> text content, written before running
+
+
+class Harness(Protocol):
+    name: str  # "mini-swe-agent" | "codex" | "claude-code" | "qwen-code" | "pi"
+
+    def install(self, bundle_root: Path) -> Path:
+        """Build (or find cached) this harness's bundle under bundle_root; returns the bundle dir."""
+        ...
+
+    def command(
+        self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str, bundle: str, max_steps: int
+    ) -> AgentCommand:
+        """The command line, env and HOME files for one run; `bundle` is the bundle dir as seen
+        inside the sandbox (a read-only mount, or the host path for local sandboxes)."""
+        ...
+
+
+def _build() -> dict[str, Harness]:
+    from polar_fast.rollouts.harnesses.claude_code import ClaudeCode
+    from polar_fast.rollouts.harnesses.codex import Codex
+    from polar_fast.rollouts.harnesses.mini_swe_agent import MiniSweAgent
+    from polar_fast.rollouts.harnesses.pi import Pi
+    from polar_fast.rollouts.harnesses.qwen_code import QwenCode
+
+    return {h.name: h for h in (MiniSweAgent(), Codex(), ClaudeCode(), QwenCode(), Pi())}
+
+
+HARNESSES: dict[str, Harness] = _build()
+
+
+def get_harness(name: str) -> Harness:
+    try:
+        return HARNESSES[name]
+    except KeyError:
+        known = ", ".join(sorted(HARNESSES))
+        raise ValueError(f"unknown harness {name!r}; known harnesses: {known}") from None
+
+
+__all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "default_bundle_root", "get_harness"]

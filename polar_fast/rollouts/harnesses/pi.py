@@ -1,0 +1,47 @@
+"""Pi coding agent (`pi -p`), OpenAI Chat Completions ("openai-completions"), streaming.
+
+A provider "polar" in `~/.pi/agent/models.json` with the proxy's `/v1` base URL, the session
+token as literal apiKey and the served model; `compat` keeps to plain `system` messages and no
+`reasoning_effort`, which an open model's chat template understands. PI_OFFLINE turns off update
+checks and install telemetry; `--no-session` keeps no session files. Pi has no turn limit flag.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from polar_fast.rollouts.harnesses import AgentCommand
+from polar_fast.rollouts.harnesses.bundles import install_npm_harness
+from polar_fast.rollouts.harnesses.env import base_env
+
+PACKAGES = {"@mariozechner/pi-coding-agent": "0.73.1"}
+PROVIDER = "polar"
+
+
+class Pi:
+    name = "pi"
+
+    def install(self, bundle_root: Path) -> Path:
+        return install_npm_harness(bundle_root, self.name, PACKAGES, "pi")
+
+    def command(self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str,
+                bundle: str, max_steps: int) -> AgentCommand:
+        models = {"providers": {PROVIDER: {
+            "baseUrl": proxy_url + "/v1",
+            "api": "openai-completions",
+            "apiKey": api_key,
+            "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
+            "models": [{"id": model}],
+        }}}
+        settings = {"enableInstallTelemetry": False}
+        env = base_env(home=home, bundle=bundle) | {
+            "PI_CODING_AGENT_DIR": f"{home}/.pi/agent",
+            "PI_OFFLINE": "1",
+            "PI_SKIP_VERSION_CHECK": "1",
+            "PI_TELEMETRY": "0",
+        }
+        argv = [f"{bundle}/bin/pi", "-p", prompt, "--provider", PROVIDER, "--model", model, "--no-session"]
+        files = {".pi/agent/models.json": json.dumps(models, indent=1),
+                 ".pi/agent/settings.json": json.dumps(settings, indent=1)}
+        return AgentCommand(argv=argv, env=env, files=files)

@@ -1,0 +1,54 @@
+"""Qwen Code (`qwen -p`), OpenAI Chat Completions, streaming.
+
+Auth type "openai" with OPENAI_BASE_URL (`<proxy>/v1`), the session token as OPENAI_API_KEY and
+OPENAI_MODEL, in env and in `~/.qwen/settings.json`, which also turns off usage statistics and
+auto-update and bounds session turns. `--approval-mode yolo` runs tools without asking.
+
+Qwen Code 0.24.4 settles a non-streaming shell call on the child's "exit" event, which can come
+before it has read the child's stdout pipe. Under CPU load (many rollouts on a node) a command
+that exits straight after printing then shows the model "Output: (empty)": about half the time in
+a 150-call test on this 2-core machine with the cores kept busy. The shell tool runs `bash -c`,
+so BASH_ENV points it at a file that makes that bash wait 0.1 s before exiting (the exit status is
+kept), which gives Node time to read the pipe. The file unsets BASH_ENV first, so only the tool's
+own bash waits and the scripts it starts do not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from polar_fast.rollouts.harnesses import AgentCommand
+from polar_fast.rollouts.harnesses.bundles import install_npm_harness
+from polar_fast.rollouts.harnesses.env import base_env
+
+PACKAGES = {"@qwen-code/qwen-code": "0.24.4"}
+EXIT_WAIT_FILE = ".qwen/shell_exit_wait.sh"  # relative to HOME
+EXIT_WAIT = 'unset BASH_ENV\ntrap "sleep 0.1" EXIT\n'
+
+
+class QwenCode:
+    name = "qwen-code"
+
+    def install(self, bundle_root: Path) -> Path:
+        return install_npm_harness(bundle_root, self.name, PACKAGES, "qwen")
+
+    def command(self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str,
+                bundle: str, max_steps: int) -> AgentCommand:
+        settings = {
+            "security": {"auth": {"selectedType": "openai"}},
+            "model": {"name": model, "maxSessionTurns": max_steps},
+            "general": {"enableAutoUpdate": False},
+            "privacy": {"usageStatisticsEnabled": False},
+        }
+        env = base_env(home=home, bundle=bundle) | {
+            "BASH_ENV": f"{home}/{EXIT_WAIT_FILE}",
+            "OPENAI_BASE_URL": proxy_url + "/v1",
+            "OPENAI_API_KEY": api_key,
+            "OPENAI_MODEL": model,
+            "QWEN_USAGE_STATISTICS_ENABLED": "false",
+        }
+        argv = [f"{bundle}/bin/qwen", "-p", prompt, "--auth-type", "openai", "--model", model,
+                "--approval-mode", "yolo"]
+        files = {".qwen/settings.json": json.dumps(settings, indent=1), EXIT_WAIT_FILE: EXIT_WAIT}
+        return AgentCommand(argv=argv, env=env, files=files)

@@ -1,0 +1,322 @@
+"""`docker` sandbox: one container per sandbox, through aiodocker against a real Docker Engine.
+
+Choices:
+- The container runs `sleep infinity` under docker-init (reaps zombies); every command is a
+  `docker exec`. Never privileged, no-new-privileges, all capabilities dropped except the few
+  that root inside needs for ordinary file work; cpu / memory / pids limits from the config.
+- Network `none` by default: the proxy's Unix socket is bind-mounted at PROXY_SOCKET and the
+  loopback forwarder (forwarder.py, mounted read-only) listens on 127.0.0.1:PORT inside, so a
+  harness sees the same `http://127.0.0.1:PORT` as on the host and has no other egress. `host`
+  networking is the explicit alternative (then the forwarder is not needed).
+- Every container carries the label `polar_fast.run=<run id>`; `remove_leftovers` deletes by it.
+- An exec's timeout kills its process tree by sweeping /proc inside the container for the exec's
+  marker variable (inherited across fork and setsid). A process that clears its own environment
+  escapes the sweep, but not the container's removal at the end of the rollout.
+- Daemon errors and a container that is no longer running raise SandboxError (infra error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tarfile
+import time
+import uuid
+from pathlib import Path
+
+import aiodocker
+import anyio
+
+from polar_fast.config import SandboxConfig
+from polar_fast.rollouts.sandboxes import (
+    EXEC_MARKER,
+    RUN_LABEL,
+    ExecResult,
+    SandboxError,
+    SandboxSpec,
+    kill_marked_script,
+    open_sandbox,
+)
+from polar_fast.rollouts.sandboxes.images import ensure_base_image
+
+NAME_LABEL = "polar_fast.name"
+PROXY_SOCKET = "/run/polar/proxy.sock"
+FORWARDER = "/opt/polar/forwarder.py"
+FORWARDER_SOURCE = Path(__file__).with_name("forwarder.py")
+MAX_OUTPUT_BYTES = 8 << 20  # per stream; the tail is kept
+HOME = "/tmp/polar-home"
+_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID"]
+
+
+def forwarder_argv(port: int) -> list[str]:
+    """How the forwarder is started inside the box (its CLI is owned by forwarder.py)."""
+    return ["python3", FORWARDER, "--port", str(port), "--socket", PROXY_SOCKET]
+
+
+class DockerSandbox:
+    def __init__(self, factory: DockerSandboxFactory, container, spec: SandboxSpec, workdir: str) -> None:
+        self._factory = factory
+        self.container = container
+        self.id: str = container.id
+        self.spec = spec
+        self.workdir = workdir
+        self.home = HOME
+        self.proxy_url = f"http://127.0.0.1:{spec.proxy_port}" if spec.proxy_port else ""
+        self._removed = False
+
+    def path(self, target: str) -> str:
+        return target
+
+    def _abs(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.workdir}/{path}"
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        detach: bool = False,
+    ) -> ExecResult:
+        marker = uuid.uuid4().hex
+        if stdin is not None:
+            path = f"/tmp/.polar-stdin-{marker}"
+            await self.write_files({path: stdin})
+            argv = ["sh", "-c", f'exec "$@" < {path}', "sh", *argv]
+        full_env = {"HOME": self.home, "LANG": "C.UTF-8", **self.spec.env, **(env or {}), EXEC_MARKER: marker}
+        started = time.monotonic()
+        try:
+            ex = await self.container.exec(
+                argv,
+                environment=full_env,
+                workdir=self._abs(cwd) if cwd else self.workdir,
+                stdout=not detach,
+                stderr=not detach,
+            )
+            if detach:
+                await ex.start(detach=True)
+                return ExecResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+        except aiodocker.DockerError as e:
+            raise SandboxError(f"container {self.id[:12]}: exec failed: {e.message}") from None
+        out, err = bytearray(), bytearray()
+        timed_out = finished = False
+        stream = ex.start(detach=False)
+        try:
+            with anyio.move_on_after(timeout_s) as scope:
+                await _read_stream(stream, out, err)
+                finished = True
+            timed_out = scope.cancelled_caught
+        finally:
+            if not finished:  # timeout or cancellation: kill the exec's whole process tree
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await self._kill_marked(marker)
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+        exit_code = await self._exit_code(ex, timed_out)
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            timed_out=timed_out,
+            duration_s=time.monotonic() - started,
+        )
+
+    async def _exit_code(self, ex, timed_out: bool) -> int:
+        try:
+            info = await ex.inspect()
+            for _ in range(50):  # the stream can end a moment before the exec is reaped
+                if not info["Running"]:
+                    break
+                await anyio.sleep(0.05)
+                info = await ex.inspect()
+        except aiodocker.DockerError as e:
+            raise SandboxError(f"container {self.id[:12]}: exec inspect failed: {e.message}") from None
+        code = info.get("ExitCode")
+        if timed_out:
+            return code if code is not None else 137
+        if code is None or not await self.alive():
+            raise SandboxError(f"container {self.id[:12]} stopped while a command ran")
+        return code
+
+    async def _kill_marked(self, marker: str) -> None:
+        with contextlib.suppress(aiodocker.DockerError):
+            ex = await self.container.exec(["sh", "-c", kill_marked_script(marker)], stdout=True, stderr=True)
+            stream = ex.start(detach=False)
+            try:
+                await _read_stream(stream, bytearray(), bytearray())
+            finally:
+                await stream.close()
+
+    async def write_files(self, files: dict[str, str | bytes], *, mode: int = 0o644) -> None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path, content in files.items():
+                data = content.encode() if isinstance(content, str) else content
+                info = tarfile.TarInfo(self._abs(path).lstrip("/"))
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        await self._put_archive(buf.getvalue())
+
+    async def _put_archive(self, data: bytes) -> None:
+        try:
+            await self.container.put_archive("/", data)
+        except aiodocker.DockerError as e:
+            raise SandboxError(f"container {self.id[:12]}: copy in failed: {e.message}") from None
+
+    async def read_file(self, path: str) -> bytes:
+        try:
+            tar = await self.container.get_archive(self._abs(path))
+        except aiodocker.DockerError as e:
+            if e.status == 404:
+                raise FileNotFoundError(f"{path}: not in container {self.id[:12]}") from None
+            raise SandboxError(f"container {self.id[:12]}: copy out failed: {e.message}") from None
+        return await anyio.to_thread.run_sync(_first_file, tar, path)
+
+    async def alive(self) -> bool:
+        try:
+            info = await self.container.show()
+        except aiodocker.DockerError:
+            return False
+        return bool(info["State"]["Running"])
+
+    async def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        with anyio.CancelScope(shield=True), anyio.move_on_after(60):
+            await _delete(self.container)
+
+
+class DockerSandboxFactory:
+    kind = "docker"
+
+    def __init__(self, cfg: SandboxConfig | None = None, *, run_id: str, docker: aiodocker.Docker | None = None) -> None:
+        self.cfg = cfg or SandboxConfig(kind="docker")
+        self.run_id = run_id
+        self._docker = docker
+        self._own_client = docker is None
+        self._base_image: str | None = None
+
+    @property
+    def docker(self) -> aiodocker.Docker:
+        if self._docker is None:  # created lazily: aiodocker binds to the running loop
+            # an explicit url: otherwise the constructor stats sockets and reads ~/.docker on the loop
+            self._docker = aiodocker.Docker(url=os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock")
+        return self._docker
+
+    async def image_for(self, spec: SandboxSpec) -> str:
+        if spec.image or self.cfg.image:
+            return spec.image or self.cfg.image
+        if self._base_image is None:
+            self._base_image = await anyio.to_thread.run_sync(ensure_base_image)
+        return self._base_image
+
+    def _container_config(self, spec: SandboxSpec, image: str) -> dict:
+        binds = [f"{m.source}:{m.target}:{'ro' if m.read_only else 'rw'}" for m in spec.mounts]
+        network = self.cfg.network
+        if spec.proxy_port and network == "none":
+            if not spec.proxy_socket:
+                raise SandboxError("network 'none' needs the proxy's Unix socket (spec.proxy_socket)")
+            binds += [f"{spec.proxy_socket}:{PROXY_SOCKET}:rw", f"{FORWARDER_SOURCE}:{FORWARDER}:ro"]
+        return {
+            "Image": image,
+            "Entrypoint": ["sleep"],
+            "Cmd": ["infinity"],
+            "Labels": {RUN_LABEL: self.run_id, NAME_LABEL: spec.name},
+            "WorkingDir": "/",
+            "HostConfig": {
+                "NetworkMode": network,
+                "NanoCpus": int(self.cfg.cpus * 1e9),
+                "Memory": self.cfg.memory_mb << 20,
+                "MemorySwap": self.cfg.memory_mb << 20,  # no swap beyond the memory limit
+                "PidsLimit": self.cfg.pids_limit,
+                "Privileged": False,
+                "CapDrop": ["ALL"],
+                "CapAdd": _CAPS,
+                "SecurityOpt": ["no-new-privileges"],
+                "Init": True,
+                "Binds": binds,
+            },
+        }
+
+    async def create(self, spec: SandboxSpec) -> DockerSandbox:
+        image = await self.image_for(spec)
+        config = self._container_config(spec, image)
+        try:
+            container = await self.docker.containers.create(config)
+        except aiodocker.DockerError as e:
+            raise SandboxError(f"cannot create a container from {image}: {e.message}") from None
+        ok = False
+        try:
+            box = DockerSandbox(self, container, spec, self.cfg.workdir)
+            await container.start()
+            await self._prepare(box, spec)
+            ok = True
+            return box
+        except aiodocker.DockerError as e:
+            raise SandboxError(f"container {container.id[:12]} did not start: {e.message}") from None
+        finally:
+            if not ok:  # failed or cancelled after create: never leave the container behind
+                with anyio.CancelScope(shield=True), anyio.move_on_after(60):
+                    await _delete(container)
+
+    async def _prepare(self, box: DockerSandbox, spec: SandboxSpec) -> None:
+        done = await box.exec(["mkdir", "-p", box.workdir, box.home], cwd="/")
+        if done.exit_code != 0:
+            raise SandboxError(f"container {box.id[:12]}: mkdir failed: {done.stderr.strip()}")
+        if spec.proxy_port and self.cfg.network == "none":
+            await box.exec(forwarder_argv(spec.proxy_port), cwd="/", detach=True)
+            probe = (
+                "import socket,sys,time\n"
+                "for _ in range(200):\n"
+                "    try: socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close(); sys.exit(0)\n"
+                "    except OSError: time.sleep(0.05)\n"
+                "sys.exit(1)\n"
+            )
+            up = await box.exec(["python3", "-c", probe, str(spec.proxy_port)], cwd="/", timeout_s=30)
+            if up.exit_code != 0:
+                raise SandboxError(f"container {box.id[:12]}: proxy forwarder did not listen: {up.stderr[-500:]}")
+
+    def open(self, spec: SandboxSpec):
+        return open_sandbox(self, spec)
+
+    async def list_run(self, run_id: str | None = None) -> list:
+        filters = '{"label": ["%s=%s"]}' % (RUN_LABEL, run_id or self.run_id)
+        return await self.docker.containers.list(all=True, filters=filters)
+
+    async def remove_leftovers(self, run_id: str | None = None) -> int:
+        with anyio.CancelScope(shield=True):
+            containers = await self.list_run(run_id)
+            for container in containers:
+                await _delete(container)
+            return len(containers)
+
+    async def aclose(self) -> None:
+        if self._docker is not None and self._own_client:
+            await self._docker.close()
+            self._docker = None
+
+
+def _first_file(tar: tarfile.TarFile, path: str) -> bytes:
+    with tar:  # aiodocker hands back a tarfile over a spooled temp file: read it off the loop
+        member = tar.next()
+        fileobj = tar.extractfile(member) if member is not None else None
+        if fileobj is None:
+            raise IsADirectoryError(f"{path}: not a regular file")
+        return fileobj.read()
+
+
+async def _read_stream(stream, out: bytearray, err: bytearray) -> None:
+    while (msg := await stream.read_out()) is not None:
+        into = out if msg.stream == 1 else err
+        into += msg.data
+        if len(into) > MAX_OUTPUT_BYTES:
+            del into[: len(into) - MAX_OUTPUT_BYTES]
+
+
+async def _delete(container) -> None:
+    with contextlib.suppress(aiodocker.DockerError):  # 404: already gone; 409: removal in progress
+        await container.delete(force=True, v=True)

@@ -1,0 +1,246 @@
+"""The training run, in one uvloop process:
+
+    tasks -> pools (boot | agent: harness -> proxy -> engine | eval) -> finished groups
+          -> merge + GRPO step (worker thread) -> weight sync -> policy version + 1 -> ...
+
+Rollouts keep running while the learner trains (async RL): the pools never wait for a step, only
+for room in the ready-groups queue. A group whose oldest call is more than `max_staleness`
+policy versions behind the learner is withheld from training and counted; its calls stay in the
+record log. Everything captured goes to `<output_dir>/records.log` as it happens, so a crash
+loses nothing; checkpoints go to `<output_dir>/checkpoints`, and `resume=True` continues from the
+newest with the same step numbering, after removing sandboxes a killed run left behind.
+
+Under torchrun this is rank 0; ranks > 0 run `distributed.follow` and join every learner call.
+
+Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
+removed, their calls already logged), a checkpoint is saved, and `train` returns normally. A
+second Ctrl-C cancels at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import msgspec
+
+from polar_fast.config import Config
+from polar_fast.errors import PolarError
+from polar_fast.grpo import Learner
+from polar_fast.learner import distributed
+from polar_fast.learner.weight_sync import DiskSync, EngineSync
+from polar_fast.records import CallRecord, Outcome
+from polar_fast.report.metrics import MetricsWriter
+from polar_fast.rollouts.stack import open_rollouts
+from polar_fast.rollouts.tasks import Task, load_tasks
+from polar_fast.signals import StopSignal
+
+
+class RunError(PolarError):
+    """The run cannot start (output dir in use, no tasks, ...); the message says what to do."""
+
+
+@dataclass
+class ReadyGroup:
+    group: object  # pools.RolloutGroup
+    calls: list[CallRecord]
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min((c.policy_version for c in self.calls), default=None)
+
+
+@dataclass
+class RunSummary:
+    steps: list[dict] = field(default_factory=list)  # flattened metrics per step
+    outcomes: dict[str, int] = field(default_factory=dict)
+    groups_trained: int = 0
+    groups_withheld: int = 0
+    calls: int = 0
+    sampled_tokens: int = 0
+    leftovers_removed: int = 0
+    stopped_early: bool = False
+    checkpoint: str = ""
+
+
+def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
+    """Endless epochs over the task list, each in a fresh seeded order."""
+    if not tasks:
+        raise RunError("the task source yielded no tasks")
+    rng = random.Random(seed)
+    for _ in itertools.count():
+        epoch = list(tasks)
+        rng.shuffle(epoch)
+        yield from epoch
+
+
+def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
+    out = Path(cfg.run.output_dir)
+    has_state = (out / "records.log").exists() or (out / "checkpoints").exists()
+    if has_state and not resume:
+        raise RunError(f"{out} already holds a run: pass --resume to continue it, or set run.output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
+    return out
+
+
+def _weight_sync(cfg: Config, engine, run_dir: Path):
+    if cfg.engine.kind == "vllm":
+        return DiskSync(engine, run_dir / "weights")
+    return EngineSync(engine)
+
+
+async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, dict], None] | None = None) -> RunSummary:
+    """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
+    "status" (every second), "step" (after each step) and "info" events for progress display."""
+    emit = on_event or (lambda kind, data: None)
+    summary = RunSummary()
+    run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
+    tc = cfg.tasks
+    tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed)
+    emit("info", {"message": "loading the model for the learner"})
+    # under torchrun, a Leader that has ranks > 0 join each collective call (learner/distributed.py)
+    learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
+    if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
+        emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
+    metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
+    try:
+        async with open_rollouts(cfg, run_dir, emit=emit) as rollouts:
+            summary.leftovers_removed = rollouts.leftovers_removed
+            sync = _weight_sync(cfg, rollouts.engine, run_dir)
+            if learner.version:  # the engine starts from the resumed policy
+                await learner.sync_weights(sync)
+            with StopSignal(asyncio.current_task()) as stop:
+                loop = _Loop(rollouts.cfg, learner, sync, rollouts.pools(), rollouts.agent, rollouts.proxy,
+                             metrics, summary, stop.event, emit)
+                await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
+        summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
+        await asyncio.to_thread(distributed.stop_followers, learner)
+    finally:
+        await asyncio.to_thread(metrics.close)
+    return summary
+
+
+class _Loop:
+    """Pools and learner side by side; ends after the last step or at a stop request."""
+
+    def __init__(self, cfg, learner, sync, pools, agent, proxy, metrics, summary, stop, emit) -> None:
+        self.cfg, self.learner, self.sync, self.pools = cfg, learner, sync, pools
+        self.agent, self.proxy, self.metrics, self.summary = agent, proxy, metrics, summary
+        self.stop, self.emit = stop, emit
+        self.ready: asyncio.Queue[ReadyGroup] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
+
+    async def run(self, tasks: Iterator[Task]) -> None:
+        async with asyncio.TaskGroup() as tg:
+            pools = tg.create_task(self.pools.run(tasks, self.on_group))
+            status = tg.create_task(self._report_status())
+            try:
+                await self._learn()
+            finally:
+                pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
+                status.cancel()
+
+    async def on_group(self, group) -> None:
+        calls = self.agent.take_calls([r.rollout_id for r in group.rollouts], group.group_id)
+        for rollout in group.rollouts:
+            await self.proxy.record(rollout)
+            self.summary.outcomes[rollout.outcome.value] = self.summary.outcomes.get(rollout.outcome.value, 0) + 1
+        await self.ready.put(ReadyGroup(group, calls))
+
+    async def _next_group(self) -> ReadyGroup | None:
+        """The next finished group, or None once a stop was requested."""
+        get = asyncio.ensure_future(self.ready.get())
+        stopped = asyncio.ensure_future(self.stop.wait())
+        done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if get in done:
+            return get.result()
+        get.cancel()
+        return None
+
+    async def _learn(self) -> None:
+        cfg = self.cfg.run
+        while self.learner.step_count < cfg.steps:
+            groups, withheld = [], 0
+            while len(groups) < cfg.groups_per_step:
+                ready = await self._next_group()
+                if ready is None:
+                    self.summary.stopped_early = True
+                    return
+                oldest = ready.oldest_version
+                if oldest is not None and self.learner.version - oldest > cfg.max_staleness:
+                    withheld += 1  # its calls stay in records.log; it just does not train
+                    continue
+                groups.append(ready)
+            await self._step(groups, withheld)
+
+    async def _step(self, groups: list[ReadyGroup], withheld: int) -> None:
+        calls = [c for g in groups for c in g.calls]
+        rollouts = [r for g in groups for r in g.group.rollouts]
+        started = time.perf_counter()
+        step = await asyncio.to_thread(self.learner.step, calls, rollouts)
+        await self.learner.sync_weights(self.sync)
+        if step.step % self.cfg.run.checkpoint_every == 0:
+            await asyncio.to_thread(self.learner.save, str(Path(self.cfg.run.output_dir) / "checkpoints"))
+        call_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+        sampled = sum(len(c.completion_ids) for c in calls)
+        self.summary.groups_trained += len(groups)
+        self.summary.groups_withheld += withheld
+        self.summary.calls += len(calls)
+        self.summary.sampled_tokens += sampled
+        stats = self.pools.statistics()
+        values = {
+            "learner": msgspec.structs.asdict(step),
+            "reward": _reward_stats(groups),
+            "outcomes": _outcome_counts(rollouts),
+            "pools": {s.name: {"busy_fraction": s.busy_fraction, "queued": s.queued, "running": s.running}
+                      for s in (stats.boot, stats.agent, stats.eval)},
+            "proxy": {"calls": len(calls), "call_tokens": call_tokens, "sampled_tokens": sampled},
+            "merge": {"tokens_forwarded": step.n_tokens,
+                      "per_call_over_merged": call_tokens / step.n_tokens if step.n_tokens else 0.0},
+            "staleness": {"max": max((self.learner.version - 1 - (g.oldest_version or 0) for g in groups), default=0),
+                          "withheld_groups": withheld},
+            "step_time_s": time.perf_counter() - started,
+        }
+        flat = await self.metrics.write(step.step, values)
+        self.summary.steps.append(flat)
+        self.emit("step", flat)
+
+    async def _report_status(self) -> None:
+        while True:
+            stats = self.pools.statistics()
+            self.emit("status", {
+                "queued": stats.boot.queued, "booting": stats.boot.running, "running": stats.agent.running,
+                "evaluating": stats.eval.running, "rollouts_done": stats.rollouts_done,
+                "groups_ready": self.ready.qsize(), "step": self.learner.step_count, "version": self.learner.version,
+            })
+            await asyncio.sleep(1.0)
+
+
+def _reward_stats(groups: list[ReadyGroup]) -> dict[str, float]:
+    import statistics
+
+    scored = [r.reward for g in groups for r in g.group.rollouts if r.reward is not None]
+    per_group_std = []
+    for g in groups:
+        rewards = [r.reward for r in g.group.rollouts if r.reward is not None]
+        if len(rewards) > 1:
+            per_group_std.append(statistics.pstdev(rewards))
+    return {
+        "mean": statistics.fmean(scored) if scored else 0.0,
+        "std": statistics.pstdev(scored) if len(scored) > 1 else 0.0,
+        "group_std_mean": statistics.fmean(per_group_std) if per_group_std else 0.0,
+        "zero_variance_groups": sum(1 for s in per_group_std if s == 0.0),
+    }
+
+
+def _outcome_counts(rollouts) -> dict[str, int]:
+    counts = {o.value: 0 for o in Outcome}
+    for r in rollouts:
+        counts[r.outcome.value] += 1
+    return counts

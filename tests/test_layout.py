@@ -1,0 +1,154 @@
+"""The package layering holds, and README.md's layout table matches the tree.
+
+Stages: each has an entry module and a package of what that entry uses. A module may import
+another stage's entry, or the few modules a stage offers the rest of the program (PUBLIC), never
+the rest of another stage's package. The shared core (conversation, records, config, ...) imports
+no stage at all, and only the faces of the native extension import it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "polar_fast"
+
+STAGES = {  # package -> its entry module
+    "polar_fast.capture": "polar_fast.proxy",
+    "polar_fast.rollouts": "polar_fast.pools",
+    "polar_fast.learner": "polar_fast.grpo",
+    "polar_fast.engines": "polar_fast.engines",
+    "polar_fast.merge": "polar_fast.merge",
+}
+PUBLIC = {  # what a stage offers outside itself, besides its entry
+    "polar_fast.rollouts.tasks", "polar_fast.rollouts.stack", "polar_fast.rollouts.harnesses",
+    "polar_fast.rollouts.service",
+    "polar_fast.learner.distributed", "polar_fast.learner.weight_sync",
+    "polar_fast.engines.vllm_launch", "polar_fast.engines.scripted",
+    "polar_fast.merge.arrays",  # the array contract the learner reads
+}
+CORE = {"polar_fast.conversation", "polar_fast.records", "polar_fast.config", "polar_fast.errors",
+        "polar_fast.model", "polar_fast.wire", "polar_fast.wire.reference", "polar_fast.signals"}
+DIALECTS = "polar_fast.capture.dialects"
+FACES = {"polar_fast.merge", "polar_fast.capture.tokenizer", "polar_fast.wire"}
+NATIVE = "polar_fast._native"
+TEST_HELPERS = {"polar_fast.testing"}  # builds test set-ups from any stage's parts
+MAX_TOP_LEVEL_MODULES = 18
+
+
+def module_sources(root: Path = PACKAGE) -> dict[str, str]:
+    out = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        if "tasks_builtin" in rel.parts:
+            continue
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        out[".".join(parts)] = path.read_text()
+    return out
+
+
+def imports_of(module: str, source: str) -> set[str]:
+    """Every polar_fast module `source` imports, at any depth (functions, TYPE_CHECKING too)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
+    return {name for name in found if name.split(".")[0] == "polar_fast"}
+
+
+def stage_of(module: str) -> str | None:
+    for package, entry in STAGES.items():
+        if module == entry or module == package or module.startswith(package + "."):
+            return package
+    return None
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    known = set(sources) | {NATIVE}
+    bad = []
+    for module, source in sources.items():
+        for target in imports_of(module, source):
+            if target not in known:  # `from pkg import name` where name is not a module
+                continue
+            if target == NATIVE:
+                if module not in FACES:
+                    bad.append(f"{module} imports the native extension; use its face ({', '.join(sorted(FACES))})")
+                continue
+            if module in CORE or module == "polar_fast.conversation" or module.startswith(DIALECTS):
+                allowed = target in CORE or target.startswith(DIALECTS)
+                if not allowed:
+                    bad.append(f"{module} is shared by every stage and must not import {target}")
+                continue
+            if module in TEST_HELPERS:
+                continue
+            mine, theirs = stage_of(module), stage_of(target)
+            if theirs is None or theirs == mine or target in (theirs, STAGES[theirs]) or target in PUBLIC:
+                continue
+            bad.append(f"{module} reaches into another stage's internals: {target}")
+    return bad
+
+
+def test_the_package_keeps_its_layering():
+    assert violations(module_sources()) == []
+
+
+@pytest.mark.parametrize("module, line", [
+    ("polar_fast.records", "from polar_fast.proxy import Proxy"),
+    ("polar_fast.conversation", "import polar_fast.pools"),
+    ("polar_fast.capture.dialects.anthropic", "from polar_fast.grpo import Learner"),
+    ("polar_fast.learner.losses", "from polar_fast._native import merge"),
+    ("polar_fast.rollouts.reward", "from polar_fast.capture.render import Renderer"),
+    ("polar_fast.train", "from polar_fast.capture.history import History"),
+    ("polar_fast.export", "from polar_fast.merge import reference"),
+    ("polar_fast.proxy", "def f():\n    from polar_fast.learner.packed_forward import PackedLM"),
+])
+def test_a_layering_break_is_caught(module, line):
+    sources = module_sources()
+    sources[module] = sources[module] + "\n" + line + "\n"
+    found = violations(sources)
+    assert len(found) == 1 and found[0].startswith(module), found
+
+
+def test_only_one_of_a_kind_modules_sit_at_the_top_level():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    for entry in ("proxy.py", "pools.py", "grpo.py"):  # the design card's fixed entry points
+        assert entry in top
+
+
+def _readme_layout_paths() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    paths = []
+    for cell in re.findall(r"^\| (.+?) \|", section, re.M):
+        names = re.findall(r"`([^`]+)`", cell)
+        if not names:
+            continue
+        base = names[0].rsplit("/", 1)[0] + "/" if "/" in names[0].rstrip("/") else ""
+        paths.append(names[0])
+        paths += [n if "/" in n else base + n for n in names[1:]]
+    return paths
+
+
+def test_readme_layout_names_exactly_the_packages_that_exist():
+    paths = _readme_layout_paths()
+    for path in paths:
+        assert (ROOT / path).exists(), f"README.md's layout names {path}, which does not exist"
+    named = {p.rstrip("/") for p in paths if p.startswith("polar_fast/") and p.endswith("/")}
+    packages = {str(p.parent.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")
+                if "tasks_builtin" not in p.parts and p.parent != PACKAGE}
+    assert named == packages, f"missing from README: {packages - named}; not packages: {named - packages}"
+    top = {f"polar_fast/{p.name}" for p in PACKAGE.glob("*.py")} - {"polar_fast/__init__.py", "polar_fast/__main__.py"}
+    assert top <= set(paths), f"top-level modules missing from README's layout: {top - set(paths)}"
+
+
+def test_user_docs_stand_alone():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert "../shared" not in doc.read_text(), f"{doc.name} points at ../shared, which users do not have"

@@ -1,0 +1,235 @@
+"""The training run end to end: real pools, real harness CLI, real proxy, real merge and learner.
+
+The model's choices are scripted (ScriptedEngine through the real SmolLM2 tokenizer): in each
+group the first rollout applies the task's known fix and the second does nothing, so rewards
+differ, advantages are non-zero and the learner really updates the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from polar_fast import merge
+from polar_fast.config import parse_config
+from polar_fast.records import read_log
+from polar_fast.rollouts.tasks import load_builtin
+from polar_fast.train import RunError, train
+
+TASK = load_builtin()[0]
+
+
+def bash_call(command: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+
+
+def fix_command(patch: str) -> str:
+    return f"cat > /tmp/fix.patch <<'POLAR_EOF'\n{patch}POLAR_EOF\ngit apply /tmp/fix.patch"
+
+
+SUBMIT = bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+# one group: rollout 0 fixes the bug, rollout 1 looks around and gives up
+GROUP_REPLIES = [bash_call(fix_command(TASK.patch)), SUBMIT, bash_call("ls"), SUBMIT]
+
+
+def raw_config(tmp_path, *, steps: int = 1, sandbox: dict | None = None, harness_name: str = "mini-swe-agent",
+               replies: list[str] = GROUP_REPLIES, **sections) -> dict:
+    raw = {
+        "run": {"output_dir": str(tmp_path / "run"), "steps": steps, "groups_per_step": 1,
+                "tensorboard": True, "max_staleness": 4},
+        "engine": {"kind": "scripted", "scripted_replies": replies * steps},
+        "sampling": {"max_tokens": 4096},
+        "sandbox": sandbox or {"kind": "local"},
+        "harness": {"name": harness_name, "max_steps": 4, "timeout_s": 120},
+        "tasks": {"source": "builtin", "limit": 1},
+        # one agent slot and one boot worker: rollouts consume the scripted replies in order
+        "pools": {"group_size": 2, "boot_workers": 1, "agent_workers": 1, "eval_workers": 1, "prewarm": 0},
+        "learner": {"lr": 1e-3},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def run_config(tmp_path, **options):
+    return parse_config(raw_config(tmp_path, **options))
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path):
+    cfg = run_config(tmp_path)
+    summary = await train(cfg)
+
+    [step] = summary.steps
+    assert step["outcomes/ok"] == 2  # later groups may finish (and fail: no replies left) meanwhile
+    assert step["learner/step"] == 1 and step["learner/version"] == 1
+    assert step["reward/mean"] == 0.5 and step["learner/n_rollouts"] == 2
+    assert step["learner/n_terms"] == step["proxy/sampled_tokens"] > 0
+    assert 0 < step["merge/tokens_forwarded"] < step["proxy/call_tokens"]
+    assert step["learner/grad_norm"] > 0
+    assert summary.checkpoint.endswith("step_1.pt")
+    await anyio.to_thread.run_sync(check_run_files, tmp_path / "run", step)
+
+
+def check_run_files(run, step) -> None:
+    contents = read_log(run / "records.log")
+    assert contents.torn_bytes == 0
+    rewards = {r.rollout_id: r.reward for r in contents.rollouts}
+    assert sorted(rewards.values()) == [0.0, 1.0]
+    calls = contents.calls
+    assert len(calls) == 4 and {c.policy_version for c in calls} == {0}
+    by_rollout = {}
+    for c in calls:
+        by_rollout.setdefault(c.rollout_id, []).append(c)
+    for first, second in by_rollout.values():  # exact history across the harness's two turns
+        assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == \
+            first.prompt_ids + first.completion_ids
+    merged = merge.merge(calls)
+    assert merged.stats.n_breaks == 0 and merged.stats.n_samples == step["learner/n_terms"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1]
+    assert list((run / "tensorboard").iterdir())
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_engine_down_is_an_infra_error_never_scored(tmp_path):
+    # the engine answers nothing; the harness keeps retrying until its timeout
+    cfg = run_config(tmp_path, replies=[], pools={"infra_retries": 0}, harness={"timeout_s": 15})
+    summary = await train(cfg)
+
+    [step] = summary.steps
+    assert step["outcomes/infra_error"] == 2 and step["outcomes/agent_error"] == 0
+    assert step["learner/n_rollouts"] == 0 and step["learner/n_terms"] == 0
+    contents = await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")
+    final = [r for r in contents.rollouts if r.group_id == contents.rollouts[0].group_id]
+    assert all(r.reward is None and "engine" in r.error for r in final)
+
+
+@pytest.mark.anyio
+async def test_an_output_dir_in_use_is_refused_without_resume(tmp_path):
+    await anyio.to_thread.run_sync(lambda: (tmp_path / "run").mkdir())
+    await anyio.to_thread.run_sync((tmp_path / "run" / "records.log").write_bytes, b"")
+    with pytest.raises(RunError, match="--resume"):
+        await train(run_config(tmp_path))
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
+    from polar_fast.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner]\nlr = 'fast'\n")
+    assert main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "learner.lr" in err and "float" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------- kill -9, then resume
+
+
+def toml_text(raw: dict) -> str:
+    """Enough TOML for a run config: one table per section, scalar and list values."""
+    lines = []
+    for section, values in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_containers(run_id: str) -> list[str]:
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=polar_fast.run={run_id}"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    return out.stdout.split()
+
+
+def wait_for(predicate, timeout_s: float, proc) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the run exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(900)
+def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, docker_required, base_image):
+    from polar_fast.rollouts.stack import run_id_for
+
+    out = tmp_path / "run"
+    raw = raw_config(tmp_path, steps=2, sandbox={"kind": "docker", "network": "none"}, run={"tensorboard": False},
+                     engine={"scripted_replies": GROUP_REPLIES * 3})
+    config = tmp_path / "run.toml"
+    config.write_text(toml_text(raw))
+    command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
+    with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        try:
+            # step 1 is checkpointed and the next group is already running
+            wait_for(lambda: (out / "checkpoints" / "step_1.pt").exists()
+                     and len(read_log(out / "records.log").calls) > 4, 600, proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    before = read_log(out / "records.log")
+    assert len(before.calls) > 4
+
+    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+
+    after = read_log(out / "records.log")
+    assert after.records[: len(before.records)] == before.records  # nothing captured was lost
+    assert len(after.calls) > len(before.calls) and after.torn_bytes == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the same step numbering across the kill
+    assert (out / "checkpoints" / "step_2.pt").exists()
+    assert run_containers(run_id_for(out)) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(900)
+async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path, docker_required, base_image):
+    """Pi (an npm CLI) in `--network none` containers, reaching the proxy through its socket."""
+    replies = [bash_call(fix_command(TASK.patch)), "Done: the fix is applied.", bash_call("ls"), "I could not fix it."]
+    cfg = run_config(tmp_path, harness_name="pi", replies=replies, sandbox={"kind": "docker", "network": "none"})
+    summary = await train(cfg)
+
+    [step] = summary.steps
+    assert step["outcomes/ok"] == 2
+    assert step["reward/mean"] == 0.5 and step["learner/version"] == 1
+    assert step["learner/grad_norm"] > 0 and step["learner/n_terms"] == step["proxy/sampled_tokens"]
+    contents = await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")
+    calls = contents.calls
+    assert len(calls) == 4 and all(c.dialect == "chat" for c in calls)
+    merged = merge.merge(calls)
+    assert merged.stats.n_samples == step["learner/n_terms"] and merged.stats.n_breaks == 0
+    assert sorted(r.reward for r in contents.rollouts) == [0.0, 1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
+    out = tmp_path / "run"
+    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False})
+    config = tmp_path / "run.toml"
+    config.write_text(toml_text(raw))
+    command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        wait_for(lambda: (out / "records.log").exists() and read_log(out / "records.log").calls, 300, proc)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped early on request" in output
+    assert list((out / "checkpoints").glob("step_*.pt"))
+    assert read_log(out / "records.log").torn_bytes == 0

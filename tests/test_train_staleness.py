@@ -1,0 +1,87 @@
+"""The training loop withholds groups whose oldest call is older than `max_staleness` versions,
+counts them, and trains on the fresh ones (learner, pools and metrics are stand-ins here; the
+end-to-end runs live in test_train.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from polar_fast.config import parse_config
+from polar_fast.grpo import StepMetrics
+from polar_fast.pools import PoolsStatistics, StageStatistics
+from polar_fast.records import CallRecord, Outcome, RolloutRecord
+from polar_fast.train import ReadyGroup, RunSummary, _Loop
+
+
+def call(rollout: str, version: int) -> CallRecord:
+    return CallRecord(session_id=rollout, rollout_id=rollout, group_id=rollout, call_index=0, prompt_ids=[1],
+                      completion_ids=[2], completion_logprobs=[-0.5], policy_version=version,
+                      finish_reason="stop", dialect="chat")
+
+
+def group(name: str, version: int) -> ReadyGroup:
+    rollout = RolloutRecord(rollout_id=name, group_id=name, task_id="t", harness="h", outcome=Outcome.OK, reward=1.0)
+    return ReadyGroup(SimpleNamespace(rollouts=[rollout]), [call(name, version)])
+
+
+class Learner:
+    def __init__(self, version: int) -> None:
+        self.version, self.step_count, self.trained = version, 0, []
+
+    def step(self, calls, rollouts) -> StepMetrics:
+        self.trained.append([c.rollout_id for c in calls])
+        self.step_count += 1
+        self.version += 1
+        return StepMetrics(step=self.step_count, version=self.version, loss=0.0, pg_loss=0.0, kl=0.0, clip_frac=0.0,
+                           ratio_mean=1.0, grad_norm=0.0, reward_mean=1.0, n_rollouts=1, n_terms=1, n_tokens=2,
+                           n_micro_batches=1, time_s=0.0)
+
+    async def sync_weights(self, sync) -> None:
+        pass
+
+    def save(self, directory: str) -> str:
+        return directory
+
+
+def stage(name: str) -> StageStatistics:
+    return StageStatistics(name=name, workers=1, running=0, queued=0, completed=0, failed=0, busy_fraction=0.0,
+                           oldest_running_s=0.0, histogram=[], mean_s=0.0)
+
+
+class Metrics:
+    async def write(self, step, values):
+        return {"step": step, **{k: v for k, v in values.items() if not isinstance(v, dict)}}
+
+
+@pytest.mark.anyio
+async def test_stale_groups_are_withheld_and_counted(tmp_path):
+    cfg = parse_config({"run": {"steps": 1, "groups_per_step": 1, "max_staleness": 2, "output_dir": str(tmp_path),
+                                "checkpoint_every": 100}})
+    learner = Learner(version=5)
+    pools = SimpleNamespace(statistics=lambda: PoolsStatistics(boot=stage("boot"), agent=stage("agent"),
+                                                               eval=stage("eval"), groups_done=0, rollouts_done=0,
+                                                               retries=0, elapsed_s=0.0))
+    summary = RunSummary()
+    loop = _Loop(cfg, learner, None, pools, None, None, Metrics(), summary, asyncio.Event(), lambda *a: None)
+    learn = asyncio.ensure_future(loop._learn())
+    await loop.ready.put(group("too-old", 2))  # learner at version 5: 5 - 2 > 2, stale
+    await loop.ready.put(group("fresh-enough", 3))  # 5 - 3 <= 2
+    await asyncio.wait_for(learn, 30)
+    assert learner.trained == [["fresh-enough"]]
+    assert summary.groups_withheld == 1 and summary.groups_trained == 1
+
+
+@pytest.mark.anyio
+async def test_a_stop_request_ends_the_loop_between_groups(tmp_path):
+    cfg = parse_config({"run": {"steps": 3, "groups_per_step": 1, "output_dir": str(tmp_path)}})
+    stop = asyncio.Event()
+    summary = RunSummary()
+    loop = _Loop(cfg, Learner(version=0), None, None, None, None, Metrics(), summary, stop, lambda *a: None)
+    learn = asyncio.ensure_future(loop._learn())
+    await asyncio.sleep(0)
+    stop.set()
+    await asyncio.wait_for(learn, 5)
+    assert summary.stopped_early and summary.groups_trained == 0
