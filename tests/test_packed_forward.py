@@ -1,6 +1,9 @@
 """Packed forwards (`tree`, `paths`) give the same per-token logprobs and gradients as one
 separate forward per call, on traces with branches: two rollouts sharing a prompt (with an
-extra sample), a compaction that rewrites history, and a sub-agent call with a fresh prompt."""
+extra sample), a compaction that rewrites history, and a sub-agent call with a fresh prompt.
+Models: a tiny Llama (attention only) and a tiny hybrid Qwen3.5 (three Gated DeltaNet layers,
+whose conv and scan state must restart per sequence and be handed down a tree, then one full
+attention layer), both the real transformers classes with random weights."""
 
 from __future__ import annotations
 
@@ -87,6 +90,27 @@ def tiny_llama(attn: str = "sdpa"):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       attn_implementation=attn)
     return LlamaForCausalLM(cfg).float().eval()
+
+
+def tiny_qwen35(attn: str = "sdpa", *, long_memory: bool = False):
+    """long_memory: every Gated DeltaNet head decays slowly (exp(g) ~ 0.99 per token), as the
+    long-memory heads of a trained model do; the default init forgets within a few tokens, which
+    makes a leaked or lost state small."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                            max_position_embeddings=256, attn_implementation=attn)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    lm = Qwen3_5ForCausalLM(cfg).float().eval()
+    if long_memory:
+        with torch.no_grad():
+            for layer in lm.model.layers[:3]:
+                layer.linear_attn.A_log.fill_(np.log(0.05))
+                layer.linear_attn.dt_bias.fill_(-2.0)
+    return lm
 
 
 def test_dense_mask_is_ancestor_rule():
@@ -206,6 +230,62 @@ def test_packed_attention_equals_per_call(monkeypatch, layout, block_tokens, mer
     assert set(got) == set(ref)
     assert max(abs(got[k] - ref[k]) for k in ref) < 1e-5
     torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+@pytest.mark.parametrize(("max_tokens", "attn"), [(4096, "sdpa"), (40, "sdpa"), (4096, packed_attention.NAME)])
+def test_packed_equals_per_call_tiny_qwen35(layout, max_tokens, attn):
+    lm = tiny_qwen35()
+    calls = branchy_calls(np.random.default_rng(1), lm.config.vocab_size)
+    ref, ref_grad = per_call_reference(lm, calls)
+    lm.set_attn_implementation(attn)
+    merged = merge_impls()[-1].merge(calls, layout=layout)
+    batches = merge_impls()[-1].pack(merged, max_tokens=max_tokens)
+    got, grad = packed_logprobs(lm, merged, batches, chunk_tokens=5)
+    assert set(got) == set(ref)
+    assert max(abs(got[k] - ref[k]) for k in ref) < 1e-5
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("removed", ["scan state", "conv inputs", "state gradient"])
+def test_tree_qwen35_needs_the_state_hand_over(monkeypatch, removed):
+    """A tree segment starting from zeros instead of its parent's final scan state or conv
+    inputs gives wrong logprobs, and a handed-over state cut off from autograd gives wrong
+    gradients: the hand-over, gradients included, is what makes the tree exact."""
+    import dataclasses
+
+    from polar_fast.learner import packed_recurrence
+
+    real_plan = packed_recurrence.plan
+
+    def without_hand_over(size):
+        seg = real_plan(size)
+        if removed == "scan state":
+            levels = [[dataclasses.replace(c, parent_row=None) for c in level] for level in seg.levels]
+            return dataclasses.replace(seg, levels=levels)
+        return dataclasses.replace(seg, parent=np.where(seg.offset == 0, -1, seg.parent))
+
+    real_scan = packed_recurrence.packed_scan
+
+    def detached_scan(kernel, *args, **kwargs):
+        def detached(*a, initial_state=None, **k):
+            return kernel(*a, initial_state=None if initial_state is None else initial_state.detach(), **k)
+        return real_scan(detached, *args, **kwargs)
+
+    if removed == "state gradient":
+        monkeypatch.setattr(packed_recurrence, "packed_scan", detached_scan)
+    else:
+        monkeypatch.setattr(packed_recurrence, "plan", without_hand_over)
+    lm = tiny_qwen35(long_memory=True)
+    calls = branchy_calls(np.random.default_rng(1), lm.config.vocab_size)
+    ref, ref_grad = per_call_reference(lm, calls)
+    merged = merge_reference.merge(calls, layout="tree")
+    got, grad = packed_logprobs(lm, merged, merge_reference.pack(merged, max_tokens=4096), chunk_tokens=5)
+    logp_gap, grad_gap = max(abs(got[k] - ref[k]) for k in ref), (grad - ref_grad).abs().max().item()
+    if removed == "state gradient":
+        assert logp_gap < 1e-5 and grad_gap > 1e-3
+    else:
+        assert logp_gap > 1e-3
 
 
 def test_packed_attention_without_a_plan_is_sdpa_on_the_given_mask():

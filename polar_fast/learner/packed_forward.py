@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from polar_fast.learner import packed_attention
+from polar_fast.learner import packed_attention, packed_recurrence
 
 
 class Terms(NamedTuple):
@@ -110,6 +110,7 @@ class PackedLM(nn.Module):
         super().__init__()
         self.lm = lm
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
+        self.recurrent = packed_recurrence.install(lm)  # Gated DeltaNet layers: segment by segment
 
     def forward(
         self,
@@ -125,6 +126,8 @@ class PackedLM(nn.Module):
             extra = {"attention_mask": None, "packed_plan": packed_attention.plan(size, self.lm.dtype)}
         else:
             extra = {"attention_mask": attention_mask_for(self.lm, size, self.lm.dtype)}
+        if self.recurrent:
+            extra[packed_recurrence.KEYWORD] = packed_recurrence.plan(size)
         hidden = decoder(
             input_ids=tokens[None], position_ids=positions[None], use_cache=False, **extra
         ).last_hidden_state[0]  # (T, H)
