@@ -5,6 +5,7 @@
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
     python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
+    python -m polar_fast tasks validate SOURCE [--config run.toml] [--split S] [--limit N] [--json PATH]
 
 Errors a user can fix (bad config, output dir in use, missing model) print one line and exit 2.
 """
@@ -20,7 +21,7 @@ import uvloop
 from polar_fast.config import Config, load_config
 from polar_fast.errors import PolarError
 
-COMMANDS = ("train", "serve", "export", "harnesses")
+COMMANDS = ("train", "serve", "export", "harnesses", "tasks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     install.add_argument("names", nargs="*", help="harnesses: mini-swe-agent, codex, claude-code, qwen-code, pi")
     install.add_argument("--all", action="store_true", help="every harness")
     install.add_argument("--bundle-root", type=Path, default=None, help="default ~/.cache/polar_fast/harnesses")
+    tasks = sub.add_parser("tasks", help="task sets")
+    tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True)
+    validate = tasks_sub.add_parser("validate", help="run each task's reference patch (must pass) and the empty "
+                                                     "patch (must fail) in sandboxes; report the tasks that do not hold")
+    validate.add_argument("source", help="builtin, a .jsonl / .parquet file or a datasets dir (as tasks.source)")
+    validate.add_argument("--config", type=Path, help="run.toml: [sandbox], tasks.image and pools.eval_timeout_s")
+    validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    validate.add_argument("--split", default=None, help="split of a datasets dir (default: tasks.split)")
+    validate.add_argument("--limit", type=int, default=0, help="check only the first N tasks")
+    validate.add_argument("--workers", type=int, default=2, help="sandboxes at once")
+    validate.add_argument("--json", type=Path, default=None, help="also write the per-task results here")
     return p
 
 
@@ -68,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             print(report)
             return 0
         cfg = load_config(args.config, args.overrides)
+        if args.command == "tasks":
+            return _validate_tasks(cfg, args)
         if args.command == "serve":
             return _serve(cfg, args.host, args.port, rollouts=args.rollouts)
         return _train(cfg, resume=args.resume, quiet=args.quiet)
@@ -105,6 +119,21 @@ def _serve(cfg: Config, host: str | None, port: int | None, *, rollouts: bool) -
 
     uvloop.run(serve_forever(cfg, host=host, port=port))
     return 0
+
+
+def _validate_tasks(cfg: Config, args: argparse.Namespace) -> int:
+    """Exit 0 when every task holds, 1 when some do not (the report names them)."""
+    import msgspec
+
+    from polar_fast.rollouts.validate import HOLDS, format_report, run_validation
+
+    checks = uvloop.run(run_validation(cfg, args.source, split=args.split or cfg.tasks.split, limit=args.limit,
+                                       workers=args.workers, on_check=lambda c: print(
+                                           f"{c.verdict:7} {c.instance_id}", flush=True)))
+    print(format_report(checks))
+    if args.json is not None:
+        args.json.write_bytes(msgspec.json.encode(checks))
+    return 0 if all(c.verdict == HOLDS for c in checks) else 1
 
 
 def _install_harnesses(parser: argparse.ArgumentParser, names: list[str], *, every: bool,

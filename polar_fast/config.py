@@ -101,6 +101,7 @@ class TasksConfig(_Section):
     split: str = "train"
     limit: int = 0  # 0 = all
     shuffle_seed: int = 0
+    image: str = ""  # template overriding every task's image, e.g. "sweb.eval.x86_64.{instance_id}:latest"
 
 
 class PoolsConfig(_Section):

@@ -37,6 +37,7 @@ from polar_fast.learner.weight_sync import DiskSync, EngineSync
 from polar_fast.records import CallRecord, Outcome
 from polar_fast.report.metrics import MetricsWriter
 from polar_fast.rollouts.stack import open_rollouts
+from polar_fast.rollouts.task_images import check_images
 from polar_fast.rollouts.tasks import Task, load_tasks
 from polar_fast.signals import StopSignal
 
@@ -102,7 +103,10 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     tc = cfg.tasks
-    tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed)
+    tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
+                                    image=tc.image)
+    if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
+        await asyncio.to_thread(check_images, tasks)
     emit("info", {"message": "loading the model for the learner"})
     # under torchrun, a Leader that has ranks > 0 join each collective call (learner/distributed.py)
     learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))

@@ -8,7 +8,8 @@ counts as failed. A diff that does not apply, or a test patch that no longer app
 gives reward 0 with the reason in `error`. Sandbox failures propagate as SandboxError so the
 caller can retry them as infra errors instead of scoring them.
 
-Test output parsing covers pytest (`-rA` summary lines and `-v` lines) and stdlib unittest `-v`
+The log is read by the task's `log_parser` (log_parsers.py: SWE-bench's per-repo readings for
+published tasks). The default reading, `parse_test_output` below, covers pytest (`-rA` summary lines and `-v` lines) and stdlib unittest `-v`
 (Python 3.11 prints `test_x (pkg.mod.Class.test_x) ... ok`; older ones omit the method name,
 which is added back), so ids look like `tests/test_a.py::test_x` or `pkg.mod.Class.test_x`.
 """
@@ -19,6 +20,7 @@ import re
 
 import msgspec
 
+from polar_fast.rollouts.log_parsers import parse_log
 from polar_fast.rollouts.tasks import Task, prepare_repo
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
@@ -90,7 +92,7 @@ async def evaluate(box, task: Task, diff: str, *, timeout_s: float = 1800.0) -> 
     if applied.exit_code != 0:
         return _unscored(task, f"test patch did not apply on top of the agent's diff: {applied.stderr.strip()[-500:]}")
     run = await box.exec(["sh", "-c", task.shell_test_command()], timeout_s=timeout_s)
-    statuses = parse_test_output(run.stdout + "\n" + run.stderr)
+    statuses = parse_log(task.log_parser, run.stdout + "\n" + run.stderr)
     reward, failed = score(task, statuses)
     return EvalResult(
         reward=reward,

@@ -2,12 +2,23 @@
 
 A `Task` row carries the upstream fields (instance_id, repo, base_commit, problem_statement,
 test_patch, FAIL_TO_PASS, PASS_TO_PASS, patch, image, environment_setup_commit, ...), with
-unknown columns ignored. Two fields are ours: `test_command` (how to run the tests; default:
-pytest on the files the test patch touches) and `repo_snapshot` (a directory with the repo's
-files at base_commit: the built-in tasks ship their repos that way instead of as images).
-SWE-bench's JSON-encoded test lists ("[\"a\", \"b\"]") are decoded. Rows come from JSONL,
-parquet or a local HF `datasets` directory; a bad row fails the load with its 1-based row number
-and the field.
+unknown columns ignored. Rows load as they are published:
+- SWE-bench / SWE-bench Verified: flat rows, FAIL_TO_PASS / PASS_TO_PASS JSON-encoded strings;
+- SWE-Gym: flat rows, the lists as lists;
+- NovaSky-AI/SkyRL-v0-293-data: the SWE-bench fields inside an `instance` struct (lists as
+  lists, or the struct JSON-encoded), beside `data_source`, `prompt` and `ability` columns; the
+  instance is unwrapped, `data_source` kept, and `prompt` used when the instance has no
+  problem_statement.
+What the publishers leave implicit is derived here as they derive it: the Docker image
+(task_images.py; `tasks.image` overrides it), and for a repo with a published test spec the
+test command in the image's conda env and the log parser (test_specs.py, log_parsers.py).
+Our own fields: `test_command` (a row's own wins; default for other repos: pytest on the files
+the test patch touches), `log_parser`, `data_source`, and `repo_snapshot` (a directory with the
+repo's files at base_commit: the built-in tasks ship their repos that way instead of as images).
+Rows come from JSONL, parquet, a local HF `datasets` (save_to_disk) directory, or a dataset
+directory as the Hub publishes it (`<split>.parquet`, `data/<split>-*.parquet`, `<split>.jsonl`,
+e.g. a `huggingface-cli download` of SkyRL-v0-293-data); a bad row fails the load with
+its 1-based row number and the field (`instance.FIELD` inside a SkyRL struct).
 
 `prepare_repo` leaves the repo at `box.workdir`, checked out at base_commit, with every other
 commit, ref, reflog entry and remote gone (`scrub_history`), so an agent cannot find the fix in
@@ -28,6 +39,8 @@ from typing import Any, Iterable, Iterator
 import msgspec
 
 from polar_fast.errors import PolarError
+from polar_fast.rollouts.task_images import derive_image, image_from_template
+from polar_fast.rollouts.test_specs import repo_spec, test_command
 
 BUILTIN_DIR = Path(__file__).with_name("tasks_builtin")
 SNAPSHOT_IDENT = "polar_fast <tasks@polar-fast.invalid> 1700000000 +0000"
@@ -54,6 +67,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     hints_text: str = ""
     created_at: str = ""
     test_command: str = ""  # shell command run in the repo; "" = pytest on the test patch's files
+    log_parser: str = ""  # log_parsers.PARSERS name; "" = the default (pytest + unittest)
+    data_source: str = ""  # SkyRL-v0's column: "swe-gym", "swe-bench", ...
     repo_snapshot: str = ""  # host dir with the repo's files at base_commit (built-in tasks)
 
     def __post_init__(self) -> None:
@@ -85,12 +100,14 @@ def patch_files(patch: str) -> list[str]:
 # ---------------------------------------------------------------------------------------- loading
 
 
-def load_tasks(source: str, *, split: str = "train", limit: int = 0, shuffle_seed: int = 0) -> list[Task]:
-    """Tasks from "builtin", a .jsonl / .parquet file, or a local HF datasets directory."""
+def load_tasks(source: str, *, split: str = "train", limit: int = 0, shuffle_seed: int = 0,
+               image: str = "") -> list[Task]:
+    """Tasks from "builtin", a .jsonl / .parquet file, or a local HF datasets directory.
+    `image`: a template that overrides every task's image (see task_images.py)."""
     if source == "builtin":
         tasks = load_builtin()
     else:
-        tasks = list(_validate(_rows(source, split), source))
+        tasks = list(_validate(_rows(source, split), source, image=image))
     if not tasks:
         raise TaskError(f"{source}: no tasks")
     if shuffle_seed:
@@ -98,35 +115,94 @@ def load_tasks(source: str, *, split: str = "train", limit: int = 0, shuffle_see
     return tasks[:limit] if limit else tasks
 
 
-def parse_task(row: Any, *, where: str = "row") -> Task:
+def parse_task(row: Any, *, where: str = "row", image: str = "") -> Task:
+    """One published row (any of the three schemas) as a Task; `image` as in load_tasks."""
     if not isinstance(row, dict):
         raise TaskError(f"{where}: expected an object, got {type(row).__name__}")
-    row = dict(row)
+    row, prefix = _unwrap_instance(dict(row), where)
     for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
         if isinstance(row.get(key), str):  # SWE-bench stores the lists JSON-encoded
             try:
                 row[key] = json.loads(row[key])
             except json.JSONDecodeError:
-                raise TaskError(f"{where}: field {key!r}: not a JSON list: {row[key][:80]!r}") from None
+                raise TaskError(f"{where}: field {prefix + key!r}: not a JSON list: {row[key][:80]!r}") from None
+    for alias in ("image_name", "docker_image"):  # SWE-smith / R2E-style names for the same thing
+        if not row.get("image") and isinstance(row.get(alias), str):
+            row["image"] = row[alias]
+    try:
+        _derive(row, image)
+    except ValueError as e:
+        raise TaskError(f"{where}: {e}") from None
     try:
         return msgspec.convert(row, Task, strict=False)
     except msgspec.ValidationError as e:
-        raise TaskError(f"{where}: {_explain(str(e))}") from None
+        raise TaskError(f"{where}: {_explain(str(e), prefix)}") from None
 
 
-def _explain(message: str) -> str:
+def _unwrap_instance(row: dict, where: str) -> tuple[dict, str]:
+    """SkyRL-v0 rows hold the SWE-bench fields in `instance`; flat rows pass through."""
+    if "instance" not in row:
+        return row, ""
+    instance = row["instance"]
+    if isinstance(instance, str):  # some copies of the set store the struct JSON-encoded
+        try:
+            instance = json.loads(instance)
+        except json.JSONDecodeError:
+            raise TaskError(f"{where}: field 'instance': not a JSON object: {instance[:80]!r}") from None
+    if not isinstance(instance, dict):
+        raise TaskError(f"{where}: field 'instance': expected a struct of SWE-bench fields, "
+                        f"got {type(instance).__name__}")
+    flat = dict(instance)
+    if isinstance(row.get("data_source"), str) and not flat.get("data_source"):
+        flat["data_source"] = row["data_source"]
+    if not flat.get("problem_statement") and (prompt := _prompt_text(row.get("prompt"))):
+        flat["problem_statement"] = prompt
+    return flat, "instance."
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A SkyRL `prompt`: the text itself, or chat messages whose last user turn is the task."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if users and isinstance(users[-1], str):
+            return users[-1]
+    return ""
+
+
+def _derive(row: dict, image_template: str) -> None:
+    """Fill what the publishers leave implicit: image, test command, log parser."""
+    iid, repo = row.get("instance_id"), row.get("repo")
+    if not (isinstance(iid, str) and isinstance(repo, str)):
+        return  # the convert below names the missing field
+    version = str(row.get("version") or "")
+    if image_template:
+        row["image"] = image_from_template(image_template, instance_id=iid, repo=repo, version=version)
+    elif not row.get("image"):
+        row["image"] = derive_image(iid, repo, data_source=str(row.get("data_source") or ""))
+    spec = repo_spec(repo, version)
+    if spec is None:
+        return
+    if not row.get("test_command") and isinstance(row.get("test_patch"), str):
+        row["test_command"] = test_command(repo, version, row["test_patch"])
+    if not row.get("log_parser"):
+        row["log_parser"] = spec.parser
+
+
+def _explain(message: str, prefix: str = "") -> str:
     match = re.search(r" - at `\$\.?(.*)`$", message)
     if match:
-        return f"field {match.group(1)!r}: {message[: match.start()]}"
+        return f"field {prefix + match.group(1)!r}: {message[: match.start()]}"
     if m := re.search(r"missing required field `(\w+)`", message):
-        return f"field {m.group(1)!r}: missing"
+        return f"field {prefix + m.group(1)!r}: missing"
     return message
 
 
-def _validate(rows: Iterable[Any], source: str) -> Iterator[Task]:
+def _validate(rows: Iterable[Any], source: str, *, image: str = "") -> Iterator[Task]:
     seen: set[str] = set()
     for number, row in enumerate(rows, start=1):
-        task = parse_task(row, where=f"{source}: row {number}")
+        task = parse_task(row, where=f"{source}: row {number}", image=image)
         if task.instance_id in seen:
             raise TaskError(f"{source}: row {number}: field 'instance_id': duplicate {task.instance_id!r}")
         seen.add(task.instance_id)
@@ -142,11 +218,30 @@ def _rows(source: str, split: str) -> Iterator[Any]:
     elif path.suffix == ".jsonl":
         yield from _jsonl_rows(path)
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from pq.read_table(path).to_pylist()
+        yield from _parquet_rows(path)
     else:
         raise TaskError(f"task source {source!r}: unknown format (use .jsonl, .parquet or a datasets dir)")
+
+
+def _parquet_rows(path: Path) -> Iterator[Any]:
+    import pyarrow.parquet as pq
+
+    yield from pq.read_table(path).to_pylist()
+
+
+def _split_files(path: Path, split: str) -> list[Path] | None:
+    """A split's files in a Hub-layout dir; None for a `save_to_disk` dir (or no such files)."""
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        return None
+    files = [p for p in (path / f"{split}.parquet", path / f"{split}.jsonl") if p.is_file()]
+    files += sorted((path / "data").glob(f"{split}-*.parquet"))
+    if files:
+        return files
+    known = sorted({p.name.split("-")[0].split(".")[0] for p in [*path.glob("*.parquet"), *path.glob("*.jsonl"),
+                                                                     *path.glob("data/*.parquet")]})
+    if known:
+        raise TaskError(f"{path}: no split {split!r}; splits: {', '.join(known)}")
+    return None
 
 
 def _jsonl_rows(path: Path) -> Iterator[Any]:
@@ -161,6 +256,11 @@ def _jsonl_rows(path: Path) -> Iterator[Any]:
 
 
 def _dataset_rows(path: Path, split: str) -> Iterator[Any]:
+    files = _split_files(path, split)
+    if files is not None:  # a dataset repo as published on the Hub: <split>.parquet, data/<split>-*.parquet
+        for file in files:
+            yield from (_jsonl_rows(file) if file.suffix == ".jsonl" else _parquet_rows(file))
+        return
     import datasets
 
     try:

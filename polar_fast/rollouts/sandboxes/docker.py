@@ -248,6 +248,10 @@ class DockerSandboxFactory:
         try:
             container = await self.docker.containers.create(config)
         except aiodocker.DockerError as e:
+            if e.status == 404 and "image" in str(e.message).lower():
+                from polar_fast.rollouts.task_images import missing_image_message
+
+                raise SandboxError(missing_image_message(image, [spec.name or "?"])) from None
             raise SandboxError(f"cannot create a container from {image}: {e.message}") from None
         ok = False
         try:
