@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+collect_ignore_glob = ["data/*"]  # fixture repos under tests/data carry their own tests: data, not ours
+
 
 @pytest.fixture
 def anyio_backend():
