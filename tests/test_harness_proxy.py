@@ -41,7 +41,7 @@ from harness_run import run_on_host
 from polar_fast.engines import Generation, Sampling
 from polar_fast.model import load_tokenizer
 from polar_fast.records import CallRecord
-from polar_fast.rollouts.harnesses import get_harness
+from polar_fast.rollouts.harnesses import ModelLimits, get_harness
 from polar_fast.testing import scripted_proxy
 
 FILE = "hello.txt"
@@ -53,6 +53,7 @@ RUN_TIMEOUT_S = 100.0
 # The CLIs' system prompts + tool schemas (up to ~20k tokens) exceed SmolLM2's 8k context; the
 # scripted engine has no context limit, so the proxy is told the model takes long prompts.
 PROXY_CONFIG = {"model": {"max_context_tokens": 1_000_000}}
+LIMITS = ModelLimits(context_tokens=1_000_000, max_output_tokens=1024)  # as PROXY_CONFIG + the sampling default
 
 
 def hermes(*calls: tuple[str, dict], text: str = "", think: str = "") -> str:
@@ -235,7 +236,8 @@ async def test_harness_runs_tools_through_proxy(name, stream, bundles, dirs, tmp
         async with front(px.root_url, refuse_streams=refuse) as fr:
             cmd = get_harness(name).command(
                 prompt=f"Create the file {FILE} containing exactly: {CONTENT}", proxy_url=f"{fr.url}/s/{px.token}",
-                api_key=px.token, model=MODEL, home=str(home), bundle=str(bundles[name]), max_steps=8)
+                api_key=px.token, model=MODEL, home=str(home), bundle=str(bundles[name]), max_steps=8,
+                limits=LIMITS)
             code, output = await run_on_host(cmd, home=home, cwd=task, timeout_s=RUN_TIMEOUT_S)
         records = await px.records()
     where = f"{name} exited {code}; calls: {_describe(records)}; output:\n{output[-3000:]}"

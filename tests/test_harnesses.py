@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -16,12 +17,18 @@ from harness_run import write_home_files
 from harness_servers import FakeModel, serve
 
 from polar_fast import cli
-from polar_fast.rollouts.harnesses import HARNESSES, AgentCommand, get_harness
+from polar_fast.rollouts.harnesses import (
+    HARNESSES,
+    AgentCommand,
+    ModelLimits,
+    get_harness,
+)
 from polar_fast.rollouts.harnesses.bundles import MANIFEST, build_bundle, write_script
 
 FORWARDER = Path(__file__).parents[1] / "polar_fast" / "rollouts" / "sandboxes" / "forwarder.py"
 ARGS = dict(prompt="fix the bug", proxy_url="http://127.0.0.1:9/s/tok123", api_key="tok123",
-            model="served-model", home="/h", bundle="/b", max_steps=7)
+            model="served-model", home="/h", bundle="/b", max_steps=7,
+            limits=ModelLimits(context_tokens=32768, max_output_tokens=2048))
 
 
 def test_registry_names_and_clear_error():
@@ -51,10 +58,55 @@ def test_codex_config_is_valid_toml_with_responses_provider():
     assert cmd.env[provider["env_key"]] == "tok123"
 
 
+def _limits(context: int, output: int) -> dict:
+    return {"limits": ModelLimits(context_tokens=context, max_output_tokens=output)}
+
+
+@pytest.mark.parametrize("context, output", [(32768, 2048), (48000, 1024), (8192, 1024), (200_000, 32000)])
+def test_claude_code_compacts_where_a_native_window_of_the_context_would(context, output):
+    """Claude Code's rule (its 2.1.332 binary): window W (CLAUDE_CODE_AUTO_COMPACT_WINDOW, floor
+    100k), effective E = W - min(max output, 20k), threshold min(floor(E * pct / 100), E - 13k)."""
+    env = get_harness("claude-code").command(**ARGS | _limits(context, output)).env
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == str(output)
+    window = int(env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"])
+    assert window == max(context, 100_000)
+    effective = window - min(output, 20_000)
+    pct = float(env.get("CLAUDE_AUTOCOMPACT_PCT_OVERRIDE", "100"))
+    assert 0 < pct <= 100
+    threshold = min(math.floor(effective * pct / 100), effective - 13_000)
+    native = context - min(output, 20_000) - 13_000
+    assert abs(threshold - max(native, 1)) <= 10, (threshold, native)
+
+
+def test_codex_is_told_the_window_and_compacts_below_it():
+    config = tomllib.loads(get_harness("codex").command(**ARGS).files[".codex/config.toml"])
+    assert config["model_context_window"] == 32768
+    assert 0 < config["model_auto_compact_token_limit"] <= 32768 - 2048
+
+
+def test_pi_model_entry_carries_the_limits_and_compaction_fits_them():
+    files = get_harness("pi").command(**ARGS).files
+    (entry,) = json.loads(files[".pi/agent/models.json"])["providers"]["polar"]["models"]
+    assert (entry["id"], entry["contextWindow"], entry["maxTokens"]) == ("served-model", 32768, 2048)
+    compaction = json.loads(files[".pi/agent/settings.json"])["compaction"]
+    assert compaction["enabled"] and compaction["reserveTokens"] >= 2048
+    assert compaction["keepRecentTokens"] < 32768 - compaction["reserveTokens"]
+
+
+def test_qwen_code_window_output_cap_and_threshold_leave_room_for_a_reply():
+    settings = json.loads(get_harness("qwen-code").command(**ARGS).files[".qwen/settings.json"])
+    generation = settings["model"]["generationConfig"]
+    assert generation["contextWindowSize"] == 32768 and generation["samplingParams"]["max_tokens"] == 2048
+    assert "sessionTokenLimit" not in settings["model"]  # that one ends the session instead
+    fraction = settings["context"]["autoCompactThreshold"]
+    assert 0 < fraction <= 0.85 and fraction * 32768 + 2048 <= 32768
+
+
 def test_mini_swe_agent_step_limit_and_base_url():
     argv = get_harness("mini-swe-agent").command(**ARGS).argv
     assert "agent.step_limit=7" in argv and "model.model_kwargs.api_base=http://127.0.0.1:9/s/tok123/v1" in argv
     assert argv[argv.index("-m") + 1] == "openai/served-model"
+    assert "model.model_kwargs.max_tokens=2048" in argv
 
 
 def test_qwen_code_shell_waits_before_exit_but_its_children_do_not(tmp_path):

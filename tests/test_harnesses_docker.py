@@ -14,11 +14,12 @@ import pytest
 from harness_servers import FakeModel, serve
 
 from polar_fast.config import SandboxConfig
-from polar_fast.rollouts.harnesses import get_harness
+from polar_fast.rollouts.harnesses import ModelLimits, get_harness
 from polar_fast.rollouts.sandboxes import Mount, SandboxSpec
 from polar_fast.rollouts.sandboxes.docker import DockerSandboxFactory
 
 MODEL = "polar-test-model"
+LIMITS = ModelLimits(context_tokens=32768, max_output_tokens=1024)
 BUNDLE_MOUNT = "/opt/polar/harness"
 PORT_IN_BOX = 18080  # loopback port inside the container; any free one works
 
@@ -50,7 +51,8 @@ async def test_harness_in_network_none_container(name, bundles, socket_dir, dock
             async with factory.open(spec) as box:
                 cmd = get_harness(name).command(
                     prompt="Say the answer.", proxy_url=f"{box.proxy_url}/s/{token}", api_key=token,
-                    model=MODEL, home=box.home, bundle=box.path(mount.target), max_steps=5)
+                    model=MODEL, home=box.home, bundle=box.path(mount.target), max_steps=5,
+                    limits=LIMITS)
                 await box.write_files({f"{box.home}/{rel}": text for rel, text in cmd.files.items()})
                 result = await box.exec(cmd.argv, env=cmd.env, cwd=box.workdir, timeout_s=120)
     finally:

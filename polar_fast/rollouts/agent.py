@@ -24,7 +24,7 @@ import msgspec
 
 from polar_fast.errors import PolarError
 from polar_fast.records import CallRecord
-from polar_fast.rollouts.harnesses import Harness
+from polar_fast.rollouts.harnesses import Harness, ModelLimits
 from polar_fast.rollouts.sandboxes import Mount, SandboxSpec
 from polar_fast.rollouts.tasks import Task
 
@@ -76,8 +76,9 @@ class CommandAgent:
 
 class HarnessAgent:
     def __init__(self, proxy: Proxy, harness: Harness, bundle: Path, *, model: str, max_steps: int,
-                 use_socket: bool) -> None:
+                 use_socket: bool, limits: ModelLimits) -> None:
         self.proxy = proxy
+        self.limits = limits  # told to the harness, so it compacts before the proxy refuses a prompt
         self.harness = harness
         self.name = harness.name
         self.model = model
@@ -108,7 +109,7 @@ class HarnessAgent:
             cmd = self.harness.command(
                 prompt=task.problem_statement, proxy_url=f"{box.proxy_url}/s/{session.token}",
                 api_key=session.token, model=self.model, home=box.home, bundle=box.path(self.mount.target),
-                max_steps=self.max_steps,
+                max_steps=self.max_steps, limits=self.limits,
             )
             await box.write_files({f"{box.home}/{rel}": text for rel, text in cmd.files.items()})
             result = await box.exec(cmd.argv, env=cmd.env, cwd=box.workdir, timeout_s=timeout_s)

@@ -29,6 +29,7 @@ from polar_fast.pools import Pools
 from polar_fast.proxy import Proxy
 from polar_fast.records import RecordLog
 from polar_fast.rollouts.agent import HarnessAgent
+from polar_fast.rollouts.harnesses import ModelLimits
 
 SOCKET_DIR_PREFIX = "polar-proxy-"
 
@@ -101,8 +102,10 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *,
             cfg = with_proxy_socket(cfg, socket_dir)
             try:
                 async with open_proxy(cfg, engine, log) as proxy:
+                    limits = ModelLimits(context_tokens=cfg.model.max_context_tokens,
+                                         max_output_tokens=cfg.sampling.max_tokens)
                     agent = HarnessAgent(proxy, harness, bundle, model=cfg.model.name, max_steps=cfg.harness.max_steps,
-                                         use_socket=bool(cfg.proxy.unix_socket))
+                                         use_socket=bool(cfg.proxy.unix_socket), limits=limits)
                     yield Rollouts(cfg, engine, proxy, agent, factory, log, run_id, leftovers)
             finally:
                 await asyncio.to_thread(log.close)

@@ -6,7 +6,9 @@ non-interactive command line (`command`). Running the command (sandbox, timeout,
 kill) belongs to the pools and sandboxes.
 
 Every command gets a private HOME, the session token as the API key, the served model name,
-approvals off, telemetry and update checks off. `proxy_url` is `http://127.0.0.1:PORT/s/<token>`
+approvals off, telemetry and update checks off, and the served model's limits (`ModelLimits`) in
+the harness's own settings, so it compacts its context when it would in production instead of
+running into the engine's context error. `proxy_url` is `http://127.0.0.1:PORT/s/<token>`
 (no `/v1`); each adapter appends what its client needs.
 """
 
@@ -18,6 +20,13 @@ from typing import Protocol
 import msgspec
 
 from polar_fast.rollouts.harnesses.bundles import BundleError, default_bundle_root
+
+
+class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What the served model takes: the harness is told these through its own settings."""
+
+    context_tokens: int  # prompt + completion, as the proxy enforces it (model.max_context_tokens)
+    max_output_tokens: int  # per call (sampling.max_tokens)
 
 
 class AgentCommand(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,7 +43,8 @@ class Harness(Protocol):
         ...
 
     def command(
-        self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str, bundle: str, max_steps: int
+        self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str, bundle: str, max_steps: int,
+        limits: ModelLimits,
     ) -> AgentCommand:
         """The command line, env and HOME files for one run; `bundle` is the bundle dir as seen
         inside the sandbox (a read-only mount, or the host path for local sandboxes)."""
@@ -62,4 +72,4 @@ def get_harness(name: str) -> Harness:
         raise ValueError(f"unknown harness {name!r}; known harnesses: {known}") from None
 
 
-__all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "default_bundle_root", "get_harness"]
+__all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "ModelLimits", "default_bundle_root", "get_harness"]

@@ -7,6 +7,12 @@ sandbox would need privileges we do not grant). `--ephemeral` keeps no session f
 `--skip-git-repo-check` allows task dirs that are not git repos. Codex has no turn limit, so
 `max_steps` is left to the pool's hard timeout. The npm package runs a native (static musl)
 binary through a small Node launcher.
+
+Limits: an unknown model gets Codex's fallback window (272k), so `model_context_window` names
+the served context and `model_auto_compact_token_limit` the token count (the last call's usage)
+at which Codex compacts before its next call: the context less one reply at the output cap, less
+a tenth for the tool output that comes before the next call. Codex has no output-cap setting and
+sends no `max_output_tokens`; the proxy's `sampling.max_tokens` caps its replies.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from polar_fast.rollouts.harnesses import AgentCommand
+from polar_fast.rollouts.harnesses import AgentCommand, ModelLimits
 from polar_fast.rollouts.harnesses.bundles import install_npm_harness
 from polar_fast.rollouts.harnesses.env import base_env
 
 PACKAGES = {"@openai/codex": "0.171.0"}
+
+
+def auto_compact_token_limit(limits: ModelLimits) -> int:
+    return max(1, limits.context_tokens * 9 // 10 - limits.max_output_tokens)
 
 
 def _toml_str(text: str) -> str:
@@ -32,12 +42,14 @@ class Codex:
         return install_npm_harness(bundle_root, self.name, PACKAGES, "codex")
 
     def command(self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str,
-                bundle: str, max_steps: int) -> AgentCommand:
+                bundle: str, max_steps: int, limits: ModelLimits) -> AgentCommand:
         config = "\n".join([
             f"model = {_toml_str(model)}",
             'model_provider = "polar"',
             'approval_policy = "never"',
             'sandbox_mode = "danger-full-access"',
+            f"model_context_window = {limits.context_tokens}",
+            f"model_auto_compact_token_limit = {auto_compact_token_limit(limits)}",
             "check_for_update_on_startup = false",
             "",
             "[model_providers.polar]",

@@ -6,14 +6,22 @@ itself, not by PYTHONPATH: the agent's own shell commands then see the task's Py
 Model `openai/<served name>` with `model.model_kwargs.api_base` = `<proxy>/v1` and the session
 token as OPENAI_API_KEY; `-y` (yolo), `--exit-immediately` on submit, `agent.step_limit`,
 cost limit off (an unknown model has no price), litellm's bundled cost map instead of a download.
+Limits: `model.model_kwargs.max_tokens` caps each reply at the served output cap. mini-swe-agent
+never compacts (its prompt only grows), so the context window has no knob; a run that outgrows it
+ends on the proxy's context-length error.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from polar_fast.rollouts.harnesses import AgentCommand
-from polar_fast.rollouts.harnesses.bundles import PYTHON_VERSION, build_bundle, pip_install_target, write_script
+from polar_fast.rollouts.harnesses import AgentCommand, ModelLimits
+from polar_fast.rollouts.harnesses.bundles import (
+    PYTHON_VERSION,
+    build_bundle,
+    pip_install_target,
+    write_script,
+)
 from polar_fast.rollouts.harnesses.env import base_env
 
 REQUIREMENT = "mini-swe-agent==2.4.6"
@@ -41,7 +49,7 @@ class MiniSweAgent:
         return build_bundle(bundle_root, self.name, spec, build, ["bin/mini", "--help"])
 
     def command(self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str,
-                bundle: str, max_steps: int) -> AgentCommand:
+                bundle: str, max_steps: int, limits: ModelLimits) -> AgentCommand:
         env = base_env(home=home, bundle=bundle) | {
             "OPENAI_API_KEY": api_key,
             "MSWEA_CONFIGURED": "true",
@@ -53,6 +61,7 @@ class MiniSweAgent:
         argv = [f"{bundle}/bin/mini", "-m", f"openai/{model}", "-t", prompt, "-y", "--exit-immediately",
                 "-c", "mini.yaml",
                 "-c", f"model.model_kwargs.api_base={proxy_url}/v1",
+                "-c", f"model.model_kwargs.max_tokens={limits.max_output_tokens}",
                 "-c", f"agent.step_limit={max_steps}",
                 "-c", "agent.cost_limit=0",
                 "-o", f"{home}/mini-trajectory.json"]

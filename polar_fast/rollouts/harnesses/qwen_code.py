@@ -11,6 +11,13 @@ a 150-call test on this 2-core machine with the cores kept busy. The shell tool 
 so BASH_ENV points it at a file that makes that bash wait 0.1 s before exiting (the exit status is
 kept), which gives Node time to read the pipe. The file unsets BASH_ENV first, so only the tool's
 own bash waits and the scripts it starts do not.
+
+Limits: `model.generationConfig.contextWindowSize` (an unknown model otherwise gets Qwen Code's
+default window) and `samplingParams.max_tokens`, its per-call output cap. Qwen Code compacts when
+the prompt passes `min(context.autoCompactThreshold * window, window - 20k - 13k)`; for windows
+under ~33k the second term is negative and the fraction alone decides, so it is set to leave
+one reply at the output cap plus a tenth of the window. `model.sessionTokenLimit` is not a
+window: past it Qwen Code ends the session, so it stays unset.
 """
 
 from __future__ import annotations
@@ -18,13 +25,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from polar_fast.rollouts.harnesses import AgentCommand
+from polar_fast.rollouts.harnesses import AgentCommand, ModelLimits
 from polar_fast.rollouts.harnesses.bundles import install_npm_harness
 from polar_fast.rollouts.harnesses.env import base_env
 
 PACKAGES = {"@qwen-code/qwen-code": "0.24.4"}
 EXIT_WAIT_FILE = ".qwen/shell_exit_wait.sh"  # relative to HOME
 EXIT_WAIT = 'unset BASH_ENV\ntrap "sleep 0.1" EXIT\n'
+DEFAULT_AUTO_COMPACT_FRACTION = 0.85  # Qwen Code's own default
+
+
+def auto_compact_fraction(limits: ModelLimits) -> float:
+    window = limits.context_tokens
+    room = (window - limits.max_output_tokens - window // 10) / window
+    return round(min(DEFAULT_AUTO_COMPACT_FRACTION, max(room, 0.05)), 4)
 
 
 class QwenCode:
@@ -34,10 +48,13 @@ class QwenCode:
         return install_npm_harness(bundle_root, self.name, PACKAGES, "qwen")
 
     def command(self, *, prompt: str, proxy_url: str, api_key: str, model: str, home: str,
-                bundle: str, max_steps: int) -> AgentCommand:
+                bundle: str, max_steps: int, limits: ModelLimits) -> AgentCommand:
         settings = {
             "security": {"auth": {"selectedType": "openai"}},
-            "model": {"name": model, "maxSessionTurns": max_steps},
+            "model": {"name": model, "maxSessionTurns": max_steps, "generationConfig": {
+                "contextWindowSize": limits.context_tokens,
+                "samplingParams": {"max_tokens": limits.max_output_tokens}}},
+            "context": {"autoCompactThreshold": auto_compact_fraction(limits)},
             "general": {"enableAutoUpdate": False},
             "privacy": {"usageStatisticsEnabled": False},
         }
