@@ -57,7 +57,7 @@ def test_swebench_verified_rows(name):
     assert astropy.image == "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
     # test commands: conda env, eval commands, eval-time install, test command + directives
     lines = script_of(django)
-    assert lines[:2] == CONDA_ACTIVATE
+    assert lines[:3] == ["exec 2>&1", *CONDA_ACTIVATE]
     assert "export LC_ALL=en_US.UTF-8" in lines and "python -m pip install -e ." in lines
     assert lines[-3:] == [f"echo '{START_TESTS}'",
                           "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 auth_tests.test_validators",

@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+import polar_fast.rollouts.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
 from polar_fast.config import SandboxConfig
 from polar_fast.rollouts.sandboxes import make_sandbox_factory
 from polar_fast.rollouts.sandboxes.images import image_exists
@@ -28,12 +29,14 @@ from polar_fast.rollouts.validate import BROKEN, HOLDS, format_report, validate_
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "tasks"
 CALC_REPO = DATA / "calc" / "repo"
+GREET_REPO = DATA / "greet" / "repo"  # run with django's test spec: its tests/runtests.py takes django's options
 GIT_IDENT = {"GIT_AUTHOR_NAME": "polar_fast", "GIT_AUTHOR_EMAIL": "tasks@polar-fast.invalid",
              "GIT_AUTHOR_DATE": "1700000000 +0000", "GIT_COMMITTER_NAME": "polar_fast",
              "GIT_COMMITTER_EMAIL": "tasks@polar-fast.invalid", "GIT_COMMITTER_DATE": "1700000000 +0000"}
 
 
 CALC_TASKS = load_tasks(str(DATA / "calc.jsonl"))  # read before any event loop runs
+GREET_TASKS = load_tasks(str(DATA / "greet.jsonl"))
 
 
 def expect_calc_verdicts(checks) -> None:
@@ -68,29 +71,28 @@ async def test_validate_in_local_sandboxes():
     assert report.endswith("3 tasks: 1 hold, 2 do not hold, 0 not judged (sandbox failures)")
 
 
-def build_calc_image(base_image: str) -> str:
-    """The fixture repo at /testbed, committed at base_commit, as SWE-bench's images hold theirs."""
-    files = snapshot_files(CALC_REPO)
-    commit = snapshot_commit(files)
-    tag = f"polar_fast/fixture-calc:{commit[:12]}"
+def build_fixture_image(base_image: str, repo: Path, head: str) -> str:
+    """`repo` at /testbed, committed as `head`, as SWE-bench's images hold their repos."""
+    files = snapshot_files(repo)
+    tag = f"polar_fast/fixture-{repo.parent.name}:{head[:12]}"
     if image_exists(tag):
         return tag
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for rel, data in files.items():
             info = tarfile.TarInfo(rel)
-            info.size, info.mode = len(data), 0o644
+            info.size, info.mode = len(data), 0o755 if os.access(repo / rel, os.X_OK) else 0o644
             tar.addfile(info, io.BytesIO(data))
-    run = lambda *argv, **kw: subprocess.run(argv, check=True, capture_output=True, text=True, **kw)  # noqa: E731
+    run = lambda *argv: subprocess.run(argv, check=True, capture_output=True, text=True)  # noqa: E731
     cid = run("docker", "create", "--network", "none", "--entrypoint", "sleep", base_image, "infinity").stdout.strip()
     try:
         run("docker", "start", cid)
         run("docker", "exec", cid, "mkdir", "-p", "/testbed")
         subprocess.run(["docker", "cp", "-", f"{cid}:/testbed"], input=buf.getvalue(), check=True, capture_output=True)
         env = [f"--env={k}={v}" for k, v in GIT_IDENT.items()]
-        head = run("docker", "exec", *env, "-w", "/testbed", cid, "sh", "-c",
+        made = run("docker", "exec", *env, "-w", "/testbed", cid, "sh", "-c",
                    "git init -q -b main . && git add -A && git commit -q -m base && git rev-parse HEAD").stdout.strip()
-        assert head == commit
+        assert made == head, f"{repo}: the image's commit {made} is not the rows' base_commit {head}"
         run("docker", "commit", "--change", "WORKDIR /testbed", cid, tag)
     finally:
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
@@ -105,7 +107,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.docker
 def test_validate_cli_on_a_locally_built_image_flags_the_broken_tasks(base_image, tmp_path):
-    image = build_calc_image(base_image)
+    image = build_fixture_image(base_image, CALC_REPO, CALC_TASKS[0].base_commit)
     out = tmp_path / "checks.json"
     done = run_cli("tasks", "validate", str(DATA / "calc.jsonl"), "--set", "sandbox.kind=docker",
                    "--set", f"tasks.image={image}", "--json", str(out))
@@ -136,3 +138,25 @@ def test_validate_cli_says_image_tasks_need_docker_sandboxes():
     done = run_cli("tasks", "validate", str(DATA / "swebench_verified.jsonl"))  # sandbox.kind defaults to local
     assert done.returncode == 2, done.stdout + done.stderr
     assert "django__django-11099" in done.stderr and "--set sandbox.kind=docker" in done.stderr
+
+
+@pytest.mark.docker
+@pytest.mark.anyio
+async def test_validate_runs_the_derived_django_spec_in_a_docker_box(base_image):
+    """The rows name no test command: the django spec's script runs (bash, conda lines failing
+    harmlessly in an image without conda, SWE-bench's markers) and the django parser reads ids
+    in the form the rows list them."""
+    import anyio
+
+    image = await anyio.to_thread.run_sync(build_fixture_image, base_image, GREET_REPO, GREET_TASKS[0].base_commit)
+    tasks = [msgspec.structs.replace(t, image=image) for t in GREET_TASKS]
+    assert all("./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 greet_tests.test_greet"
+               in t.test_command and t.log_parser == "django" for t in tasks)
+    factory = make_sandbox_factory(SandboxConfig(kind="docker"), run_id=f"validate-{os.getpid()}")
+    try:
+        checks = await validate_tasks(tasks, factory, workers=2, timeout_s=120)
+    finally:
+        await factory.aclose()
+    holds, stale = checks
+    assert holds.verdict == HOLDS and (holds.reference_reward, holds.empty_reward) == (1.0, 0.0), holds.problems
+    assert stale.verdict == BROKEN and stale.problems[0].startswith("reference patch: agent diff did not apply")

@@ -159,9 +159,10 @@ def test_directives(repo: str, test_patch: str, style: str = "files") -> list[st
 
 
 def eval_script(spec: RepoSpec, repo: str, test_patch: str) -> str:
-    """The bash script (one command a line, no `set -e`) that runs the tests in the repo."""
+    """The bash script (one command a line, no `set -e`, stderr into stdout) that runs the tests."""
     test = " ".join([spec.test_cmd.rstrip(), *test_directives(repo, test_patch, spec.directives)])
-    lines = [*CONDA_ACTIVATE, *spec.eval_commands, *([spec.install] if spec.install else []),
+    # one stream, as SWE-bench's log: runners print results on stderr, the markers on stdout
+    lines = ["exec 2>&1", *CONDA_ACTIVATE, *spec.eval_commands, *([spec.install] if spec.install else []),
              f"echo '{START_TESTS}'", test, f"echo '{END_TESTS}'"]
     return "\n".join(lines)
 
