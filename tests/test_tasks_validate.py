@@ -160,3 +160,26 @@ async def test_validate_runs_the_derived_django_spec_in_a_docker_box(base_image)
     holds, stale = checks
     assert holds.verdict == HOLDS and (holds.reference_reward, holds.empty_reward) == (1.0, 0.0), holds.problems
     assert stale.verdict == BROKEN and stale.problems[0].startswith("reference patch: agent diff did not apply")
+
+
+@pytest.mark.docker
+def test_training_run_stops_at_start_on_a_missing_image(docker_required, tmp_path):
+    done = run_cli("--quiet", "--set", f"tasks.source={DATA / 'swe_gym.parquet'}", "--set", "sandbox.kind=docker",
+                   "--set", f"run.output_dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "'xingyaoww/sweb.eval.x86_64.pandas-dev_s_pandas-53122:latest'" in done.stderr
+    assert "docker load" in done.stderr and not (tmp_path / "run" / "records.log").exists()
+
+
+@pytest.mark.docker
+@pytest.mark.anyio
+async def test_a_docker_box_from_a_missing_image_says_how_to_provide_it(docker_required):
+    from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec
+
+    factory = make_sandbox_factory(SandboxConfig(kind="docker"), run_id=f"missing-{os.getpid()}")
+    try:
+        with pytest.raises(SandboxError, match=r"'polar_fast/no-such-image:1' \(task rollout-1\) is not in the local "
+                                               r"Docker Engine.*docker pull"):
+            await factory.create(SandboxSpec(name="rollout-1", image="polar_fast/no-such-image:1"))
+    finally:
+        await factory.aclose()
