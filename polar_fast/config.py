@@ -144,6 +144,9 @@ class LearnerConfig(_Section):
     # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa on CPU; the learner runs
     # sdpa per block of the packed batch, never on a (T, T) mask (learner/packed_attention.py)
     attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
+    # at start, a tiny random model of the architecture runs the packed forward against one forward
+    # per call; a mismatch stops the run naming the layout and layer (learner/packed_check.py)
+    check_packed: bool = True
 
 
 class RunConfig(_Section):

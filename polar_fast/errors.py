@@ -14,3 +14,8 @@ class ConfigError(PolarError, ValueError):
 class MergeError(PolarError, ValueError):
     """Input the merge cannot take (mismatched lengths, bad token ids, a sequence over budget).
     Raised by the Rust crate as well as the Python reference."""
+
+
+class PackedForwardError(PolarError, ValueError):
+    """The learner's packed forward of this architecture and layout differs from one forward per
+    call (learner/packed_check.py): the message names the layout and the first layer that differs."""

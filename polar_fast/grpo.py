@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from polar_fast.config import Config, LearnerConfig
-from polar_fast.learner import losses, packed_attention
+from polar_fast.learner import losses, packed_attention, packed_check
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.learner.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
@@ -215,7 +215,10 @@ class Learner:
         self.device = torch.device(cfg.device)
         self.rank, self.world = _world()
         model.to(self.device)
-        model.set_attn_implementation(_attention_impl(cfg, self.device))
+        attention = _attention_impl(cfg, self.device)
+        model.set_attn_implementation(attention)
+        if cfg.check_packed and layout != "percall":  # before any step: a layer that leaks stops the run
+            packed_check.check(model, layout, attention=attention, device=self.device, merge_impl=merge_impl)
         if cfg.gradient_checkpointing:  # transformers 5 renamed it; older versions have only the first
             enable = getattr(model, "activation_checkpointing_enable", None)
             if enable is not None:

@@ -19,6 +19,15 @@ from polar_fast.merge import reference as merge_reference
 from polar_fast.records import CallRecord
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: more CPU threads only spin-wait (on a busy 2-core box, 20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def merge_impls() -> list:
     impls = [merge_reference]
     try:
