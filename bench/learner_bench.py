@@ -1,5 +1,10 @@
 """Learner step time: per-call vs trie `paths` vs trie `tree`, on the same harness-shaped traces.
 
+Two tiny random models run side by side: a Llama (attention only) and a hybrid Qwen3.5 (three
+Gated DeltaNet layers per full-attention layer, the torch reference kernels on CPU), whose
+`paths` and `tree` run the recurrent layers segment by segment (learner/packed_recurrence.py);
+its rows also show the recurrent scan calls per layer (segment levels x length buckets).
+
 Traces look like a coding harness: every rollout of a group starts from one long system prompt
 (with tool definitions), then makes many calls, each prompt extending the previous one by the
 last completion and a tool result; one rollout in four compacts its history midway (a branch).
@@ -11,10 +16,11 @@ shared machine hits all of them) and speed-up over per-call, plus the step loss 
 step, which must agree across layouts. All layouts run the same learner code: on CPU, per-call
 sequences get plain causal SDPA, as a one-sequence trainer would.
 
-    .venv/bin/python bench/learner_bench.py --quick              # < 30 s on 2 CPU cores
-    .venv/bin/python bench/learner_bench.py --device cuda --model smollm2
+    .venv/bin/python bench/learner_bench.py --quick              # < 60 s on 2 CPU cores
+    .venv/bin/python bench/learner_bench.py --device cuda --models smollm2
 
-Last line: `RESULT tree_vs_percall=X paths_vs_percall=Y`.
+Last line: `RESULT tree_vs_percall=X paths_vs_percall=Y qwen35_tree_vs_percall=.. qwen35_paths_vs_percall=..
+qwen35_tree_vs_paths=..` (the first two for the Llama-type model, tiny or smollm2).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
+from polar_fast.learner import packed_recurrence  # noqa: E402
 from polar_fast.records import CallRecord, Outcome, RolloutRecord  # noqa: E402
 
 LAYOUTS = ("percall", "paths", "tree")
@@ -68,9 +75,18 @@ def build_model(kind: str, vocab: int, hidden: int = 128, layers: int = 4):
         from polar_fast.model import load_model
 
         return load_model()
+    torch.manual_seed(0)
+    if kind == "tiny-qwen35":  # layer_types: 3 linear_attention then 1 full_attention, repeated
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                num_hidden_layers=max(4, layers // 4 * 4), num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, linear_key_head_dim=32,
+                                linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                max_position_embeddings=16384)
+        return Qwen3_5ForCausalLM(cfg)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
     return LlamaForCausalLM(cfg)
@@ -88,8 +104,8 @@ def merge_module():
         return merge_reference, "reference"
 
 
-def run(args: argparse.Namespace) -> dict[str, dict]:
-    model = build_model(args.model, args.vocab, args.hidden, args.layers)
+def run(args: argparse.Namespace, kind: str) -> dict[str, dict]:
+    model = build_model(kind, args.vocab, args.hidden, args.layers)
     vocab = model.config.vocab_size
     calls, rollouts = harness_traces(groups=args.groups, rollouts=args.rollouts, calls=args.calls,
                                      prompt=args.prompt, completion=args.completion, tool=args.tool, vocab=vocab)
@@ -97,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, dict]:
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     cfg = LearnerConfig(lr=1e-6, device=args.device, dtype=dtype, attention=args.attention,
                         logprob_chunk_tokens=1024)
-    print(f"model={args.model} device={args.device} merge={impl_name} calls={len(calls)} "
+    print(f"model={kind} device={args.device} merge={impl_name} calls={len(calls)} "
           f"rollouts={len(rollouts)} call_tokens={sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)}")
     learners, batches, rows = {}, {}, {}
     for layout in LAYOUTS:
@@ -106,7 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, dict]:
         t0 = time.perf_counter()
         batches[layout] = batch = learners[layout].prepare(calls, rollouts)
         rows[layout] = {"tokens": batch.n_tokens, "micro_batches": len(batch.micro_batches),
-                        "terms": batch.n_terms, "prepare_s": time.perf_counter() - t0}
+                        "terms": batch.n_terms, "prepare_s": time.perf_counter() - t0,
+                        "scan_calls": _scan_calls(batch) if learners[layout].policy.recurrent else 0}
     times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     for layout in LAYOUTS:  # warm-up (kernels, allocator) on the same weights: its loss is compared
         rows[layout]["loss"] = _timed_step(learners[layout], batches[layout], args.device, times[layout]).loss
@@ -118,6 +135,12 @@ def run(args: argparse.Namespace) -> dict[str, dict]:
     for layout in LAYOUTS:
         rows[layout]["step_s"] = min(times[layout])
     return rows
+
+
+def _scan_calls(batch) -> int:
+    """Sequential kernel calls per recurrent layer over the step (segment levels x length buckets)."""
+    return sum(packed_recurrence.plan(torch.as_tensor(np.asarray(mb.size, np.int64))).n_calls
+               for mb in batch.micro_batches)
 
 
 def _timed_step(learner: Learner, batch, device: str, times: list[float]):
@@ -138,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small traces, tiny model, best of 3 steps per layout")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--models", default="tiny,tiny-qwen35",
+                   help="comma-separated: tiny (Llama), tiny-qwen35 (hybrid Gated DeltaNet), smollm2")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex_attention", "eager"])
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--rollouts", type=int, default=4, help="per group")
@@ -161,21 +185,27 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    rows = run(args)
-    base = rows["percall"]
-    print(f"{'layout':8} {'tokens':>8} {'batches':>8} {'terms':>7} {'prepare_s':>10} {'step_s':>8} "
-          f"{'speedup':>8} {'loss':>12}")
-    for layout, r in rows.items():
-        print(f"{layout:8} {r['tokens']:8d} {r['micro_batches']:8d} {r['terms']:7d} {r['prepare_s']:10.3f} "
-              f"{r['step_s']:8.3f} {base['step_s'] / r['step_s']:7.2f}x {r['loss']:12.6f}")
-    loss_gap = max(abs(r["loss"] - base["loss"]) for r in rows.values())
-    print(f"max loss difference vs per-call: {loss_gap:.2e} (same weights, same rollouts)")
-    if loss_gap > 1e-3:
-        print("ERROR: layouts disagree on the loss", file=sys.stderr)
-        return 1
-    print(f"RESULT tree_vs_percall={base['step_s'] / rows['tree']['step_s']:.2f} "
-          f"paths_vs_percall={base['step_s'] / rows['paths']['step_s']:.2f}")
+    result = []
+    for kind in args.models.split(","):
+        torch.manual_seed(0)
+        rows = run(args, kind)
+        base = rows["percall"]
+        print(f"{'layout':8} {'tokens':>8} {'batches':>8} {'terms':>7} {'scans':>6} {'prepare_s':>10} "
+              f"{'step_s':>8} {'speedup':>8} {'loss':>12}")
+        for layout, r in rows.items():
+            print(f"{layout:8} {r['tokens']:8d} {r['micro_batches']:8d} {r['terms']:7d} {r['scan_calls']:6d} "
+                  f"{r['prepare_s']:10.3f} {r['step_s']:8.3f} {base['step_s'] / r['step_s']:7.2f}x {r['loss']:12.6f}")
+        loss_gap = max(abs(r["loss"] - base["loss"]) for r in rows.values())
+        print(f"max loss difference vs per-call: {loss_gap:.2e} (same weights, same rollouts)\n")
+        if loss_gap > 1e-3:
+            print(f"ERROR: layouts disagree on the loss ({kind})", file=sys.stderr)
+            return 1
+        prefix = "qwen35_" if kind == "tiny-qwen35" else ""
+        result += [f"{prefix}tree_vs_percall={base['step_s'] / rows['tree']['step_s']:.2f}",
+                   f"{prefix}paths_vs_percall={base['step_s'] / rows['paths']['step_s']:.2f}"]
+        if prefix:
+            result.append(f"{prefix}tree_vs_paths={rows['paths']['step_s'] / rows['tree']['step_s']:.2f}")
+    print("RESULT " + " ".join(result))
     return 0
 
 

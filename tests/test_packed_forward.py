@@ -256,6 +256,26 @@ def test_packed_equals_per_call_tiny_qwen35(layout, max_tokens, attn):
     torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+def test_packed_equals_per_call_tiny_qwen3_next(layout):
+    """Qwen3-Next: the same Gated DeltaNet kernels behind other projections, MoE MLPs."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                          max_position_embeddings=256)
+    lm = Qwen3NextForCausalLM(cfg).float().eval()
+    calls = branchy_calls(np.random.default_rng(1), lm.config.vocab_size)
+    ref, ref_grad = per_call_reference(lm, calls)
+    merged = merge_reference.merge(calls, layout=layout)
+    got, grad = packed_logprobs(lm, merged, merge_reference.pack(merged, max_tokens=4096), chunk_tokens=5)
+    assert max(abs(got[k] - ref[k]) for k in ref) < 1e-5
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("removed", ["scan state", "conv inputs", "state gradient"])
 def test_tree_qwen35_needs_the_state_hand_over(monkeypatch, removed):
     """A tree segment starting from zeros instead of its parent's final scan state or conv
