@@ -266,8 +266,8 @@ def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Samplin
         raise DialectError(f"max_tokens must be at least 1, got {conv.max_tokens}")
     context = state.cfg.model.max_context_tokens
     if prompt_len >= context:
-        # Anthropic's wording first (Claude Code compacts and retries on it), then OpenAI's
-        # (Pi and Qwen Code match "maximum context length is N tokens"; Codex reads the code).
+        # Anthropic's wording first (Claude Code compacts and retries on it), then OpenAI's (Pi
+        # matches "maximum context length is N tokens"; Qwen Code also reads the error code).
         raise DialectError(
             f"prompt is too long: {prompt_len} tokens > {context} maximum (this model's maximum "
             f"context length is {context} tokens)",

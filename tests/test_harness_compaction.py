@@ -15,6 +15,8 @@ then ends the run. We assert:
   reads as an overflow);
 - the next prompt after the summary is shorter than the last main-loop prompt before it;
 - the merge of the session's records counts the break (`in_prompt`, the cause compaction makes).
+A second test tells Claude Code and Qwen Code three times the served context, so they overflow:
+the proxy's context-length error must make them compact and retry, with the same checks.
 mini-swe-agent never compacts, so it is not here.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from harness_run import run_on_host
@@ -106,33 +109,32 @@ class GrowingEngine:
         pass
 
 
-@pytest.mark.anyio
-@pytest.mark.slow
-@pytest.mark.timeout(360)
-@pytest.mark.parametrize("name", sorted(SUMMARY_PROMPTS))
-async def test_harness_compacts_before_the_context_overflows(name, bundles, dirs, tmp_path):
-    home, task = dirs
+async def run_growing(name: str, bundle: Path, home: Path, task: Path, tmp_path: Path, *,
+                      told_context: int) -> None:
+    """Run `name` against a proxy serving CONTEXT_TOKENS[name] with its adapter told
+    `told_context`, and check the compaction; `reactive`: it compacts on the proxy's error."""
     context = CONTEXT_TOKENS[name]
+    reactive = name in REACTIVE or told_context > context
     tokenizer = await asyncio.to_thread(load_tokenizer, "")
     engine = GrowingEngine(tokenizer, name)
     config = {"model": {"max_context_tokens": context}, "sampling": {"max_tokens": MAX_OUTPUT_TOKENS}}
-    limits = ModelLimits(context_tokens=context, max_output_tokens=MAX_OUTPUT_TOKENS)
+    limits = ModelLimits(context_tokens=told_context, max_output_tokens=MAX_OUTPUT_TOKENS)
     async with scripted_proxy(tmp_path, engine=engine, config=config) as px:
         async with front(px.root_url) as fr:
             cmd = get_harness(name).command(
                 prompt="Print padding with the shell tool until you are told to stop.",
                 proxy_url=f"{fr.url}/s/{px.token}", api_key=px.token, model=MODEL, home=str(home),
-                bundle=str(bundles[name]), max_steps=MAX_STEPS + 6, limits=limits)
+                bundle=str(bundle), max_steps=MAX_STEPS + 6, limits=limits)
             code, output = await run_on_host(cmd, home=home, cwd=task, timeout_s=RUN_TIMEOUT_S)
         records = await px.records()
     calls = fr.model_calls()
     refused = [i for i, s in enumerate(calls) if s.status != 200]
-    where = (f"{name} exited {code}; context {context}; calls (kind, prompt tokens): {engine.prompts}; "
-             f"refused: {[calls[i].status for i in refused]}; output:\n{output[-2500:]}")
+    where = (f"{name} exited {code}; context {context}, told {told_context}; calls (kind, prompt tokens): "
+             f"{engine.prompts}; refused: {[calls[i].status for i in refused]}; output:\n{output[-2500:]}")
     kinds = [k for k, _ in engine.prompts]
     assert "summary" in kinds, f"the harness never sent its summary request; {where}"
-    if name in REACTIVE:  # each refusal is a 400 the harness answers with its summary request
-        assert refused, f"expected the overflow path ({REACTIVE[name]}); {where}"
+    if reactive:  # each refusal is a 400 the harness answers with its summary request
+        assert refused, f"expected the overflow path; {where}"
         for i in refused:
             assert calls[i].status == 400 and i + 1 < len(calls), where
             assert any(p in calls[i + 1].body.decode() for p in SUMMARY_PROMPTS[name]), where
@@ -147,3 +149,27 @@ async def test_harness_compacts_before_the_context_overflows(name, bundles, dirs
     stats = merge(records).stats
     assert stats.n_calls == len(records) == len(engine.prompts), where
     assert stats.in_prompt >= 1, f"merge counted no in-prompt break: {stats}; {where}"
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", sorted(SUMMARY_PROMPTS))
+async def test_harness_compacts_before_the_context_overflows(name, bundles, dirs, tmp_path):
+    home, task = dirs
+    await run_growing(name, bundles[name], home, task, tmp_path, told_context=CONTEXT_TOKENS[name])
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", ["claude-code", "qwen-code"])
+async def test_proxy_context_error_makes_the_harness_compact_and_retry(name, bundles, dirs, tmp_path):
+    """The fallback when a harness's window is set too high (a floor, a stale setting): told 3x
+    the served context, the harness overflows, and the proxy's context-length error must have
+    the shape this harness answers by compacting and retrying (Pi takes this path in the test
+    above; Codex stops on any context error). Claude Code needs Anthropic's text ("prompt is too
+    long: N tokens > M maximum"): with the proxy's earlier wording it stopped after six 400s.
+    Qwen Code also reads the OpenAI error code `context_length_exceeded`."""
+    home, task = dirs
+    await run_growing(name, bundles[name], home, task, tmp_path, told_context=3 * CONTEXT_TOKENS[name])
