@@ -36,6 +36,8 @@ async def serve_forever(cfg: Config, *, host: str | None = None, port: int | Non
                 if proxy.unix_socket:
                     print(f"also on unix socket {proxy.unix_socket}", flush=True)
                 print(f"new session: curl -X POST {proxy.base_url}/sessions ; records: {out / 'records.log'}", flush=True)
+                print(f"tell the harness: context {cfg.model.max_context_tokens} tokens, output cap "
+                      f"{cfg.sampling.max_tokens} tokens (docs/harnesses.md)", flush=True)
                 if ready is not None:
                     ready.set()
                 await stop.event.wait()
