@@ -148,3 +148,24 @@ def test_the_8gpu_example_is_consistent_with_its_launch_command():
     spec = launch_spec(cfg, Path("/runs/8gpu/weights"), 8000, base_env={"CUDA_VISIBLE_DEVICES": launch.group(1)})
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert spec.argv[spec.argv.index("--data-parallel-size") + 1] == "4"
+
+
+def test_the_qwen35_example_is_the_papers_setup_and_validates():
+    import re
+
+    from polar_fast.engines.vllm_launch import launch_spec
+
+    path = ROOT / "examples" / "qwen35_4b_8gpu.toml"
+    cfg = load_config(path)  # unknown keys or bad values fail here
+    assert cfg.model.path.endswith("Qwen3.5-4B") and cfg.model.tool_parser == "qwen3_coder" and cfg.model.reasoning
+    assert cfg.engine.kind == "vllm" and cfg.engine.data_parallel_size == len(cfg.engine.launch_gpus) == 4
+    assert cfg.merge.layout == "tree" and cfg.merge.max_tokens >= cfg.model.max_context_tokens
+    assert cfg.sampling.max_tokens < cfg.model.max_context_tokens
+    assert cfg.learner.check_packed and cfg.learner.kl_coef > 0 and (cfg.pools.group_size, cfg.run.groups_per_step) == (16, 9)
+    launch = re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+) torchrun --standalone --nproc_per_node (\d+)", path.read_text())
+    assert launch, "the launch command is missing from the comment"
+    learner_gpus = [int(g) for g in launch.group(1).split(",")]
+    assert int(launch.group(2)) == len(learner_gpus) and not set(learner_gpus) & set(cfg.engine.launch_gpus)
+    spec = launch_spec(cfg, Path("/runs/qwen35/weights"), 8000, base_env={"CUDA_VISIBLE_DEVICES": launch.group(1)})
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert spec.argv[spec.argv.index("--max-model-len") + 1] == str(cfg.model.max_context_tokens)
