@@ -19,8 +19,8 @@ streaming; Z = proxy requests/s / direct requests/s at concurrency 256, streamin
 
 `--engine vllm` puts production's engine client in the proxy: the proxy's `VllmEngine` talks HTTP
 to a fake `vllm serve` (own process, on the client's cores, as a GPU server has its own) that
-answers `/v1/completions` as vLLM does, echoing the prompt; direct calls post the same request
-bodies, made before timing. The added latency then includes sending each prompt as JSON. (No floor
+answers `/inference/v1/generate` as vLLM 0.32 does; direct calls post the same request bodies,
+made before timing. The added latency then includes sending each prompt as JSON. (No floor
 run then: it has no engine hop to compare with.)
 
     .venv/bin/python bench/proxy_bench.py [--quick] [--engine scripted|vllm] [--render-threads N] [--profile FILE]
@@ -171,10 +171,10 @@ def _serve_routes(port_file: str, routes: dict) -> None:
 
 
 def serve_vllm(port_file: str, delay_s: float) -> None:
-    """A fake `vllm serve` for `--engine vllm`: POST /v1/completions waits the engine's latency
-    and answers as vLLM >= 0.10.2 does with `return_token_ids` (the prompt echoed as
-    `prompt_token_ids`, the sampled ids, their logprobs), the prompt's bytes spliced in rather
-    than decoded: a GPU server does that work on its own CPUs, not on this machine's."""
+    """A fake `vllm serve` for `--engine vllm`: POST /inference/v1/generate waits the engine's
+    latency and answers as vLLM 0.32 does in `output_mode: "tokens"` (the sampled ids, their
+    logprobs, the weight version span); the prompt is found, not decoded: a GPU server does that
+    work on its own CPUs, not on this machine's."""
     from aiohttp import web
 
     from polar_fast.model import load_tokenizer
@@ -182,19 +182,18 @@ def serve_vllm(port_file: str, delay_s: float) -> None:
 
     tok = load_tokenizer("")
     ids = list(tok.encode(TOOL_CALL)) + [tok.eos_token_id]
-    choice_start = b'{"id":"cmpl-0","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":'
-    choice_start += msgspec.json.encode(TOOL_CALL) + b',"logprobs":{"token_logprobs":' + msgspec.json.encode([-0.01] * len(ids))
-    choice_start += b'},"finish_reason":"stop","stop_reason":null,"prompt_logprobs":null,"prompt_token_ids":'
-    choice_end = b',"token_ids":' + msgspec.json.encode(ids) + b'}],"usage":{"prompt_tokens":0,"completion_tokens":%d}}' % len(ids)
+    reply = msgspec.json.encode({"request_id": "r", "choices": [{
+        "index": 0, "token_ids": ids, "finish_reason": "stop",
+        "logprobs": {"content": [{"token_id": i, "logprob": -0.01} for i in ids]},
+        "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}]}]})
 
-    async def completions(request: web.Request) -> web.Response:
+    async def generate(request: web.Request) -> web.Response:
         body = await request.read()
-        span = json_value_span(body, "prompt")
-        assert span is not None, body[:200]
+        assert json_value_span(body, "token_ids") is not None, body[:200]
         await asyncio.sleep(delay_s)
-        return web.Response(body=b"".join((choice_start, body[span[0] : span[1]], choice_end)), content_type="application/json")
+        return web.Response(body=reply, content_type="application/json")
 
-    _serve_routes(port_file, {"/v1/completions": completions})
+    _serve_routes(port_file, {"/inference/v1/generate": generate})
 
 
 # ----------------------------------------------------------------------------- load
@@ -294,7 +293,8 @@ async def run_direct(engine, prompts: list[list[int]], concurrency: int, vllm_ur
     latencies: list[float] = []
     sampling = Sampling(max_tokens=64)
     bodies = [
-        msgspec.json.encode({"model": "m", "prompt": ids, "max_tokens": 64, "logprobs": 0, "return_token_ids": True}) for ids in prompts
+        msgspec.json.encode({"model": "m", "token_ids": ids, "sampling_params": {"max_tokens": 64, "logprobs": 0},
+                             "output_mode": "tokens"}) for ids in prompts
     ] if vllm_url else []
 
     async def session() -> None:
@@ -307,7 +307,7 @@ async def run_direct(engine, prompts: list[list[int]], concurrency: int, vllm_ur
         async with Connection(vllm_url) as conn:
             for body in bodies:
                 t0 = time.perf_counter()
-                status, _ = await conn.post("/v1/completions", body)
+                status, _ = await conn.post("/inference/v1/generate", body)
                 latencies.append(time.perf_counter() - t0)
                 assert status == 200
 

@@ -44,18 +44,23 @@ class EngineConfig(_Section):
     launch_gpus: list[int] = msgspec.field(default_factory=lambda: [0, 1, 2, 3])  # vllm started by polar_fast: GPUs it may use
     launch_timeout_s: float = 1200.0  # vllm started by polar_fast: seconds until /health must answer
     launch_args: list[str] = []  # vllm started by polar_fast: extra `vllm serve` arguments, verbatim
+    launch_python: str = ""  # vllm started by polar_fast: a Python with vLLM ("" = the `vllm` executable)
+    pause_mode: Literal["keep", "wait"] = "keep"  # vllm weight sync: in-flight calls frozen (keep) or finished (wait), never aborted
+    sync_timeout_s: float = 300.0  # vllm weight sync: limit on each step (pause, reload, reset, resume)
     device: str = "cpu"  # embedded: torch device
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights; vllm started by polar_fast: --dtype
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)
 
 
 class SamplingConfig(_Section):
-    """Defaults for generation when the harness does not say."""
+    """Sampling belongs to the run: these apply to every call, whatever the harness asks for
+    (its values are recorded in the call record), unless `from_harness` says otherwise."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 1024  # per call, in tokens
+    temperature: float = 1.0  # the learner computes its logprobs at this temperature too
+    top_p: float = 1.0  # training refuses < 1: the learner does not reproduce the truncation
+    max_tokens: int = 1024  # hard cap per call, in tokens; a harness may ask for fewer
     seed: int | None = None
+    from_harness: bool = False  # use the harness's temperature / top_p (serve only; training refuses it)
 
 
 class ProxyConfig(_Section):

@@ -19,3 +19,7 @@ class MergeError(PolarError, ValueError):
 class PackedForwardError(PolarError, ValueError):
     """The learner's packed forward of this architecture and layout differs from one forward per
     call (learner/packed_check.py): the message names the layout and the first layer that differs."""
+
+
+class WeightSyncError(PolarError):
+    """The engine refused or failed a weight update; the message names the step and reply."""

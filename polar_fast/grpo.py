@@ -17,6 +17,9 @@ The variant, and where it deviates from paper GRPO (DeepSeekMath):
   behaviour logprob is the only meaningful reference and the ratio also absorbs engine/learner
   numeric mismatch and staleness), plus a dual-clip cap on the importance weight. KL to a
   frozen reference is off by default (k3 estimator when on).
+- Logprobs at the run's sampling temperature (`logits / sampling.temperature`), the distribution
+  the engine sampled and recorded its behaviour logprobs under, so the ratio is exact at any
+  temperature; top-p truncation is not reproduced, so training refuses top_p < 1 (train.py).
 - Loss normalised per rollout (default): every trained rollout weighs the same, however many
   calls, sequences or micro-batches it was split into; token-mean and sequence-mean available.
 - One optimizer step per call of `step()`, gradients accumulated over micro-batches.
@@ -207,6 +210,7 @@ class Learner:
         layout: str = "tree",
         max_tokens: int = 8192,
         merge_impl: ModuleType | None = None,
+        temperature: float = 1.0,
     ) -> None:
         self.cfg = cfg
         self.layout = layout
@@ -227,8 +231,8 @@ class Learner:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref = None
         if cfg.kl_coef > 0:  # a frozen copy of the starting policy
-            self.ref = PackedLM(copy.deepcopy(model).eval().requires_grad_(False))
-        self.policy = PackedLM(model)
+            self.ref = PackedLM(copy.deepcopy(model).eval().requires_grad_(False), temperature=temperature)
+        self.policy = PackedLM(model, temperature=temperature)  # the run's sampling temperature
         if self.world > 1:
             self._shard()
         self.optimizer = torch.optim.AdamW(  # fused: one kernel for all parameters (CPU and CUDA)
@@ -244,7 +248,7 @@ class Learner:
 
         model = load_model(cfg.model.path, dtype="float32", device="cpu")
         return cls(cfg.learner, model, layout=cfg.merge.layout, max_tokens=cfg.merge.max_tokens,
-                   merge_impl=merge_impl)
+                   merge_impl=merge_impl, temperature=cfg.sampling.temperature)
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -330,6 +334,19 @@ class Learner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    @torch.no_grad()
+    def logprobs(self, calls: Sequence[CallRecord]) -> list[np.ndarray]:
+        """The policy's logprob of each call's completion tokens (float32 (n,) per call), as a step
+        computes them: what the first step's importance ratio compares the behaviour logprobs to."""
+        self.policy.eval()
+        out = []
+        for mb in percall_batches(calls):
+            inputs = batch_tensors(mb, loss_terms(mb), self.device)
+            with self._autocast():
+                logp = self.policy(**inputs, chunk_tokens=self.cfg.logprob_chunk_tokens)
+            out.append(logp.float().cpu().numpy())
+        return out
 
     # ---------------------------------------------------------------------- weights, checkpoint
 

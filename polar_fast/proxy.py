@@ -54,6 +54,7 @@ from polar_fast.errors import ConfigError
 from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
+    HarnessSampling,
     Record,
     RecordLog,
     Timings,
@@ -256,8 +257,10 @@ async def close_session(request: web.Request) -> web.Response:
 
 def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Sampling:
     s = state.cfg.sampling
-    temperature = s.temperature if conv.temperature is None else conv.temperature
-    top_p = s.top_p if conv.top_p is None else conv.top_p
+    temperature, top_p = s.temperature, s.top_p  # the run's sampling (config.SamplingConfig)
+    if s.from_harness:
+        temperature = s.temperature if conv.temperature is None else conv.temperature
+        top_p = s.top_p if conv.top_p is None else conv.top_p
     if not (math.isfinite(temperature) and 0 <= temperature <= 100):
         raise DialectError(f"temperature must be a number in [0, 100], got {temperature}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
@@ -273,7 +276,7 @@ def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Samplin
             f"context length is {context} tokens)",
             kind="context_length",
         )
-    max_tokens = min(conv.max_tokens or s.max_tokens, context - prompt_len)
+    max_tokens = min(conv.max_tokens or s.max_tokens, s.max_tokens, context - prompt_len)
     seed = conv.seed if conv.seed is not None else s.seed
     return Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
 
@@ -339,11 +342,13 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     conv = session.parse(dialect, await _body(request))
     if state.cfg.engine.render == "engine":
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
+        temperature = _sampling(state, conv, 0).temperature
         prompt, extends_call, n_extended = None, -1, 0  # vLLM's own template: no exact history here
         t1 = t2 = time.perf_counter()
     else:
         prompt = await _prompt(state, session.history, conv)
         sampling = _sampling(state, conv, len(prompt.ids))
+        temperature = sampling.temperature
         t1 = time.perf_counter()
         gen, version = await _generate(state, session, prompt.ids, sampling)
         t2 = time.perf_counter()
@@ -374,6 +379,9 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         history=history,
         prefix_call=extends_call,
         n_prefix=n_extended,
+        version_changes=gen.version_changes,
+        temperature=temperature,
+        harness_sampling=HarnessSampling(temperature=conv.temperature, top_p=conv.top_p, max_tokens=conv.max_tokens),
     )
     session.n_calls += 1
     reply_message = completion.as_message()

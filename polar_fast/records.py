@@ -52,6 +52,14 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     total_s: float = 0.0  # request arrival to last byte handed to the harness
 
 
+class HarnessSampling(msgspec.Struct, frozen=True, kw_only=True):
+    """What the harness asked for (None: it did not say); the run's [sampling] decides what is used."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+
+
 class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
     """One captured model call. `prompt_ids + completion_ids` is exactly what the engine saw.
 
@@ -70,13 +78,18 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_logprobs: list[float]  # behaviour logprob of each completion id, same length
-    policy_version: int  # weights version that sampled the completion
+    policy_version: int  # weights version that sampled the completion (its first token)
     finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
     dialect: str  # "chat" | "responses" | "anthropic"
     timings: Timings = Timings()
     history: str = "exact"  # how the prompt was formed: "exact" reuse, or "render" + cause
     prefix_call: int = -1
     n_prefix: int = 0
+    # [index, version]: completion token `index` and those after it were sampled by `version`, a
+    # weight sync having happened mid-call (vllm pause_mode "keep"); empty = all `policy_version`.
+    version_changes: list[tuple[int, int]] = []
+    temperature: float = 1.0  # the completion was sampled, and its logprobs taken, at this temperature
+    harness_sampling: HarnessSampling = HarnessSampling()
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.completion_logprobs):

@@ -90,6 +90,20 @@ def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
     return out
 
 
+def check_sampling(cfg: Config) -> None:
+    """Sampling the learner can reproduce: its logprobs are at `sampling.temperature`, no top-p."""
+    s = cfg.sampling
+    if s.from_harness:
+        raise RunError("sampling.from_harness = true lets a harness choose the temperature, but the learner computes "
+                       "its logprobs at sampling.temperature: the importance ratio would be wrong. Set it false to train")
+    if s.top_p < 1:
+        raise RunError(f"sampling.top_p = {s.top_p}: the learner does not reproduce top-p truncation, so the importance "
+                       "ratio would be wrong. Train with top_p = 1 (temperature is fine)")
+    if s.temperature <= 0:
+        raise RunError(f"sampling.temperature = {s.temperature}: greedy samples have no logprob the learner can "
+                       "reproduce. Train with a temperature > 0")
+
+
 def _weight_sync(cfg: Config, engine, run_dir: Path):
     if cfg.engine.kind == "vllm":
         return DiskSync(engine, run_dir / "weights")
@@ -100,6 +114,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
     "status" (every second), "step" (after each step) and "info" events for progress display."""
     emit = on_event or (lambda kind, data: None)
+    check_sampling(cfg)
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     tc = cfg.tasks

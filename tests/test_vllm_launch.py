@@ -2,7 +2,7 @@
 
 The command line and environment are checked as data. The lifecycle runs against a fake `vllm`
 executable put first on PATH: a tiny aiohttp server that records its argv and environment,
-answers /health, /v1/models and /v1/completions, and starts a child process as vLLM's
+answers /health, /v1/models and /inference/v1/generate, and starts a child process as vLLM's
 data-parallel engines do, so the tests can see the whole process group go away.
 """
 
@@ -55,16 +55,16 @@ async def health(request):
 async def models(request):
     return web.json_response({{"object": "list", "data": [{{"id": name, "object": "model"}}]}})
 
-async def completions(request):
+async def generate(request):
     body = await request.json()
-    ids = [len(body["prompt"]), 7, 8]
+    ids = [len(body["token_ids"]), 7, 8]
     return web.json_response({{"choices": [{{"token_ids": ids, "finish_reason": "stop",
-                               "logprobs": {{"token_logprobs": [-0.5] * len(ids)}}}}]}})
+                               "logprobs": {{"content": [{{"logprob": -0.5}}] * len(ids)}}}}]}})
 
 app = web.Application()
 app.router.add_get("/health", health)
 app.router.add_get("/v1/models", models)
-app.router.add_post("/v1/completions", completions)
+app.router.add_post("/inference/v1/generate", generate)
 web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=mode != "stubborn")
 '''
 
@@ -113,7 +113,8 @@ def test_command_line_and_environment(tmp_path):
     assert value("--served-model-name") == "policy-7b"
     assert value("--host") == "127.0.0.1" and value("--port") == "8123"
     assert value("--data-parallel-size") == "4" and value("--max-model-len") == "32768"
-    assert value("--generation-config") == "vllm"
+    assert value("--generation-config") == "vllm" and value("--dtype") == "float32"
+    assert "--enable-scale-out" in argv  # mounts /inference/v1/generate
     assert json.loads(value("--weight-transfer-config")) == {"backend": "nccl"}
     assert "--tool-call-parser" not in argv  # the proxy renders and parses
     assert argv[-2:] == ["--gpu-memory-utilization", "0.85"]  # launch_args last, verbatim
@@ -123,6 +124,17 @@ def test_command_line_and_environment(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
     assert env["PATH"] == "/usr/bin" and env["HF_HOME"] == "/cache/hf"
+
+
+def test_a_python_with_vllm_runs_the_api_server_module(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("")
+    cfg = vllm_config(tmp_path, launch_python=str(python))
+    executable = vllm_launch.find_vllm(cfg.engine.launch_python)
+    argv = launch_spec(cfg, tmp_path / "w", 1, executable=executable, base_env={}).argv
+    assert argv[:5] == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "w")]
+    with pytest.raises(VllmLaunchError, match="does not exist"):
+        vllm_launch.find_vllm(str(tmp_path / "missing"))
 
 
 def test_engine_rendering_adds_the_tool_parser(tmp_path):

@@ -35,6 +35,9 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     # Weights version that sampled these ids, when the engine knows it exactly (None = read
     # `engine.policy_version` instead). Set by engines whose weights can change mid-request.
     policy_version: int | None = None
+    # (index, version): completion token `index` and the ones after it were sampled by `version`
+    # (a weight sync happened while this call was generating; vLLM's pause mode "keep").
+    version_changes: list[tuple[int, int]] = []
 
 
 class EngineError(PolarError):

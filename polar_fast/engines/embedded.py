@@ -3,9 +3,9 @@
 Choices:
 - One generation at a time behind an asyncio lock, run in a worker thread so the event loop
   stays free; torch already uses every core for one sequence on CPU.
-- The logprob recorded for a sampled id is log_softmax of the raw logits (temperature 1, no
-  top-p), i.e. the log-probability of the token under the policy itself, which is what the
-  learner recomputes. Sampling itself applies temperature and top-p; temperature 0 is greedy.
+- The logprob recorded for a sampled id is log_softmax(logits / temperature), the distribution
+  actually sampled (before top-p, which training refuses), which is what the learner recomputes
+  at the run's temperature. Temperature 0 is greedy and records the raw (T=1) logprob.
 - `update_weights` takes the same lock, so a generation in flight finishes on the old weights and
   its `Generation.policy_version` names the weights that really sampled it.
 """
@@ -71,7 +71,8 @@ class EmbeddedEngine:
                 logits = out.logits[0, -1].float()  # (V,)
                 token = _sample(logits, sampling, generator)
                 ids.append(token)
-                logprobs.append(torch.log_softmax(logits, dim=-1)[token].item())
+                scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
+                logprobs.append(torch.log_softmax(scaled, dim=-1)[token].item())
                 if token in stop:
                     return ids, logprobs, "stop"
                 step_ids = torch.tensor([[token]], dtype=torch.long, device=device)

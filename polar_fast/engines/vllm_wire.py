@@ -1,11 +1,10 @@
-"""The vLLM wire's two big parts, made cheaply: the prompt's JSON going out, the prompt's echo
-coming back.
+"""The vLLM wire's big part, made cheaply: the prompt's JSON going out.
 
 A session's prompts grow call by call (exact history: each one is the last one plus the model's
-reply plus the new turn), and `/v1/completions` takes the whole prompt as JSON every time: 1e4-1e5
-ids. `PromptJsonCache` keeps each session's last prompt with its JSON and formats only the ids a
-new prompt adds (in Rust, `polar_fast.wire.json_int32s`). vLLM answers `return_token_ids` by echoing the
-whole prompt back; `without_prompt_echo` cuts that out before the reply is decoded.
+reply plus the new turn), and `/inference/v1/generate` takes the whole prompt as JSON every time:
+1e4-1e5 ids. `PromptJsonCache` keeps each session's last prompt with its JSON and formats only the
+ids a new prompt adds (in Rust, `polar_fast.wire.json_int32s`). The reply carries no echo of the
+prompt (the engine never asks for `return_token_ids` there).
 """
 
 from __future__ import annotations
@@ -52,25 +51,3 @@ class PromptJsonCache:
                 self._bytes -= len(old_raw) + len(old_text)
         return text
 
-
-_ECHO_KEY = b'"prompt_token_ids":'
-
-
-def without_prompt_echo(raw: bytes) -> bytes:
-    """A completion reply with each `"prompt_token_ids":[...]` replaced by null: the decoder skips
-    that field anyway, but skipping ~1e5 digits cost more than decoding the rest of the reply.
-    Only a flat array is cut (no string, array or object inside); anything else is left for the
-    decoder to judge. Inside a JSON string the key's quotes would be escaped, so a match is
-    always a real key."""
-    start = raw.find(_ECHO_KEY)
-    parts: list[bytes] = []
-    done = 0
-    while start >= 0:
-        open_ = start + len(_ECHO_KEY)
-        close = raw.find(b"]", open_)
-        if raw[open_ : open_ + 1] != b"[" or close < 0 or any(raw.find(c, open_ + 1, close) >= 0 for c in (b'"', b"[", b"{")):
-            break
-        parts += [raw[done:open_], b"null"]
-        done = close + 1
-        start = raw.find(_ECHO_KEY, done)
-    return b"".join(parts) + raw[done:] if parts else raw

@@ -106,11 +106,13 @@ class PackedLM(nn.Module):
     Being one module matters for FSDP2: sharding this wrapper makes its forward unshard the
     embedding and LM head, which we call directly instead of the HF model's forward."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, *, temperature: float = 1.0) -> None:
         super().__init__()
         self.lm = lm
         self.softcap = getattr(lm.config, "final_logit_softcapping", None)
         self.recurrent = packed_recurrence.install(lm)  # Gated DeltaNet layers: segment by segment
+        # the sampling temperature: logprobs under the distribution the engine sampled from
+        self.temperature = temperature if temperature > 0 else 1.0
 
     def forward(
         self,
@@ -150,6 +152,8 @@ class PackedLM(nn.Module):
         logits = head(h).float()  # (chunk, V): the only place logits exist
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         return -F.cross_entropy(logits, t, reduction="none")  # log_softmax(logits)[t], one fused kernel
 
 

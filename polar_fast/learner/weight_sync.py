@@ -25,16 +25,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import aiohttp
 
-from polar_fast.errors import PolarError
+from polar_fast.errors import WeightSyncError
 
 if TYPE_CHECKING:
     import torch
 
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
-
-
-class WeightSyncError(PolarError):
-    """The engine refused or failed a weight update; the message names the step and reply."""
 
 
 class WeightSync(Protocol):
