@@ -106,7 +106,7 @@ def check_sampling(cfg: Config) -> None:
 
 def _weight_sync(cfg: Config, engine, run_dir: Path):
     if cfg.engine.kind == "vllm":
-        return DiskSync(engine, run_dir / "weights")
+        return DiskSync(engine, run_dir / "weights", dtype=cfg.engine.dtype)
     return EngineSync(engine)
 
 

@@ -109,10 +109,18 @@ async def running_requests(http: aiohttp.ClientSession, url: str) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
+async def served_version(url: str) -> int:
+    """The weight version label the server stamps now (0 before any sync set one)."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/weight_info") as r:
+        label = (await r.json()).get("weight_version")
+    return int(label) if isinstance(label, str) and label.isdigit() else 0
+
+
 async def test_a_call_in_flight_across_a_weight_sync_completes(real_vllm, tmp_path):
     """The proxy's call is frozen by the sync (pause mode keep), not aborted, and its record says
     at which token the new version took over."""
     engine = engine_for(real_vllm)
+    engine.policy_version = await served_version(real_vllm.url)  # earlier tests may have synced
     config = {"sampling": {"temperature": 0.0, "max_tokens": 16}, "model": {"max_context_tokens": 8192}}
     body = {"model": real_vllm.cfg.model.name, "messages": [{"role": "user", "content": COUNTING}]}
     version = engine.policy_version + 1
@@ -156,7 +164,7 @@ async def test_logprobs_follow_the_weights_a_disk_sync_loads(real_vllm):
     greedy = Sampling(max_tokens=8, temperature=0.0)
     original = await asyncio.to_thread(load_file, str(real_vllm.weights))
     perturbed = {k: (v * 1.01 if k == "model.norm.weight" else v) for k, v in original.items()}
-    base = engine.policy_version
+    base = engine.policy_version = await served_version(real_vllm.url)
     try:
         before = await engine.generate(prompt, greedy)
         started = time.perf_counter()
@@ -199,3 +207,66 @@ async def test_engine_rendering_uses_vllms_template_and_tool_parser(real_vllm, t
     assert 1 <= len(record.completion_ids) <= 16 and len(record.completion_logprobs) == len(record.completion_ids)
     message = answer["choices"][0]["message"]
     assert message["role"] == "assistant" and (message.get("content") or message.get("tool_calls"))
+
+
+@pytest.mark.parametrize("name", ["mini-swe-agent", "pi"])
+async def test_harness_end_to_end_through_the_proxy(real_vllm, name, bundles, dirs, tmp_path):
+    """harness CLI -> proxy -> real vLLM; both first prompts fit the 8k context (Codex, Qwen Code
+    and Claude Code send more). What the tiny model does with its turns is its own choice, so the
+    checks are on the calls: answered, recorded token-exact, within the caps."""
+    from harness_run import run_on_host
+
+    from polar_fast.rollouts.harnesses import get_harness
+
+    home, task = dirs
+    engine = engine_for(real_vllm)
+    config = {"sampling": {"max_tokens": 16}, "model": {"max_context_tokens": 8192}}
+    try:
+        async with scripted_proxy(tmp_path, engine=engine, config=config) as px:
+            cmd = get_harness(name).command(
+                prompt="Create the file hello.txt containing hi", proxy_url=px.base_url, api_key=px.token,
+                model=real_vllm.cfg.model.name, home=str(home), bundle=str(bundles[name]), max_steps=2)
+            code, output = await run_on_host(cmd, home=home, cwd=task, timeout_s=600)
+            records = await px.records()
+            failures = px.proxy.state.sessions[px.token].engine_failures
+    finally:
+        await engine.aclose()
+    where = f"{name} exited {code}; output:\n{output[-2000:]}"
+    assert code != -1, where  # it ended by itself (step limit, answer or error), not by our timeout
+    assert records, where
+    assert failures == 0, where
+    for r in records:
+        assert len(r.prompt_ids) + len(r.completion_ids) <= 8192, where
+        assert 1 <= len(r.completion_ids) <= 16 and len(r.completion_logprobs) == len(r.completion_ids), where
+        assert r.finish_reason in ("stop", "length", "tool_calls") and r.temperature == 1.0, where
+    print(f"\nRESULT harness={name} calls={len(records)} first_prompt_tokens={len(records[0].prompt_ids)}")
+
+
+async def test_one_training_step_with_the_vllm_engine(real_vllm):
+    """The run against the real server: rollouts, a GRPO step, the disk sync it reloads."""
+    from safetensors.torch import load_file
+
+    from polar_fast.train import train
+
+    original = await asyncio.to_thread(load_file, str(real_vllm.weights))
+    before = await served_version(real_vllm.url)
+    cfg = parse_config({
+        # the run's output dir is the served one: DiskSync writes <output_dir>/weights
+        "run": {"output_dir": str(real_vllm.run_dir), "steps": 1, "groups_per_step": 1, "tensorboard": False},
+        "engine": {"kind": "vllm", "url": real_vllm.url, "timeout_s": 600},
+        "sampling": {"max_tokens": 16},
+        "harness": {"name": "mini-swe-agent", "max_steps": 2, "timeout_s": 600},
+        "pools": {"group_size": 2, "agent_workers": 2, "boot_workers": 2, "eval_workers": 2, "prewarm": 0},
+        "tasks": {"limit": 1},
+    })
+    engine = engine_for(real_vllm)
+    try:
+        summary = await train(cfg)
+        after = await served_version(real_vllm.url)
+    finally:  # the original weights served again for the other tests
+        engine.policy_version = await served_version(real_vllm.url)
+        await DiskSync(engine, real_vllm.weights.parent).push(original.items(), version=engine.policy_version)
+        await engine.aclose()
+    assert len(summary.steps) == 1 and summary.calls >= 2, summary
+    assert summary.outcomes.get("infra_error", 0) == 0, summary.outcomes
+    assert after == 1, (before, after)  # the step's sync labelled the new policy version 1

@@ -53,7 +53,9 @@ async def test_engine_sync_copies_into_embedded_engine(tmp_path):
 async def test_disk_sync_writes_then_reloads(tmp_path):
     engine = RecordingEngine()
     tied = torch.arange(6.0).reshape(2, 3)
-    await DiskSync(engine, tmp_path / "served").push([("embed.weight", tied), ("lm_head.weight", tied)], version=2)
+    norm = torch.ones(3)
+    pairs = [("embed.weight", tied), ("lm_head.weight", tied), ("norm.weight", norm)]
+    await DiskSync(engine, tmp_path / "served").push(pairs, version=2)
     assert engine.updates == [None] and engine.policy_version == 2
 
     def read():
@@ -62,7 +64,11 @@ async def test_disk_sync_writes_then_reloads(tmp_path):
         return load_file(tmp_path / "served" / "model.safetensors")
 
     saved = await anyio.to_thread.run_sync(read)
-    assert torch.equal(saved["lm_head.weight"], tied) and torch.equal(saved["embed.weight"], tied)
+    assert set(saved) == {"embed.weight", "norm.weight"}  # the tied head once, as HF checkpoints have it
+    assert torch.equal(saved["embed.weight"], tied)
+    await DiskSync(engine, tmp_path / "served", dtype="bfloat16").push(pairs, version=3)
+    saved = await anyio.to_thread.run_sync(read)
+    assert saved["embed.weight"].dtype == torch.bfloat16  # the engine's serving dtype
 
 
 class FakeSender:
@@ -82,7 +88,7 @@ class FakeSender:
 async def fake_vllm(log: list, fail: str = ""):
     async def handle(request: web.Request) -> web.Response:
         body = await request.text()
-        log.append((request.path, json.loads(body) if body else None))
+        log.append((request.path_qs, json.loads(body) if body else None))
         if request.path == fail:
             return web.json_response({"error": "boom"}, status=500)
         return web.json_response({"message": "ok"})
@@ -113,12 +119,14 @@ async def test_vllm_transfer_call_sequence():
     paths = [entry[0] for entry in log]
     # init once (concurrently with the sender's connect), then per sync the update lifecycle
     assert sorted(paths[:2]) == sorted(["/init_weight_transfer_engine", "connect"])
-    one_sync = ["/pause", "/start_weight_update", "/update_weights", "send", "/finish_weight_update", "/resume"]
+    one_sync = ["/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights", "send",
+                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
     rest = paths[2:]
     assert len(rest) == 2 * len(one_sync)
-    for chunk in (rest[:6], rest[6:]):
+    for chunk in (rest[:7], rest[7:]):
         assert chunk[:2] == one_sync[:2] and sorted(chunk[2:4]) == sorted(one_sync[2:4]) and chunk[4:] == one_sync[4:]
     bodies = {entry[0]: entry[1] for entry in log if entry[0].startswith("/")}
+    assert bodies["/finish_weight_update"] == {"weight_version": "2"}
     assert bodies["/init_weight_transfer_engine"] == {"init_info": FakeSender(log).init_info()}
     update = bodies["/update_weights"]
     assert update == {"update_info": {"names": ["model.embed.weight", "lm_head.bias"],

@@ -40,7 +40,10 @@ def server_config(python: Path, run_dir: Path) -> Config:
         "run": {"output_dir": str(run_dir)},
         "model": {"max_context_tokens": CONTEXT_TOKENS},
         "engine": {"kind": "vllm", "render": "engine", "launch_python": str(python), "launch_gpus": [0],
-                   "data_parallel_size": 1, "dtype": "float32", "launch_timeout_s": BOOT_TIMEOUT_S},
+                   "data_parallel_size": 1, "dtype": "float32", "launch_timeout_s": BOOT_TIMEOUT_S,
+                   # no torch.compile: its inductor warm-up took ~7 of a ~10 min start on the loaded
+                   # 2-core machine (vLLM's own CPU CI runs eager for the same reason)
+                   "launch_args": ["--compilation-config", '{"mode": 0}']},
     })
 
 

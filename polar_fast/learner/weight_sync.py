@@ -2,14 +2,16 @@
 
 - `EngineSync`: hands (name, tensor) pairs to `engine.update_weights(...)` in process (the
   embedded engine copies them into its model; generation in flight finishes on old weights).
-- `DiskSync`: writes a HF safetensors checkpoint into the directory the engine serves from,
-  then `engine.update_weights(None, version=...)` makes it reload from disk (vLLM: /pause,
-  /collective_rpc reload_weights, /reset_prefix_cache, /resume; embedded: reload its path). The
-  fallback that works with any vLLM build.
-- `VllmTransferSync`: vLLM >= 0.33 dev-mode weight transfer (VLLM_SERVER_DEV_MODE=1,
-  --weight-transfer-config): POST /init_weight_transfer_engine once, then per sync /pause,
-  /start_weight_update, /update_weights with the metadata (names, dtype_names, shapes) while
-  the tensors travel out of band (NCCL broadcast by a `sender`), /finish_weight_update, /resume.
+- `DiskSync`: writes a HF safetensors checkpoint (the serving dtype, tied weights once) into the
+  directory the engine serves from, then `engine.update_weights(None, version=...)` makes it
+  reload from disk (vLLM: engines/vllm.py, which pauses with mode=keep; embedded: reload its
+  path). The fallback that works with any vLLM build.
+- `VllmTransferSync`: vLLM's dev-mode weight transfer (VLLM_SERVER_DEV_MODE=1,
+  --weight-transfer-config): POST /init_weight_transfer_engine once, then per sync
+  /pause?mode=keep (calls in flight are frozen, not aborted), /start_weight_update,
+  /update_weights with the metadata (names, dtype_names, shapes) while the tensors travel out of
+  band (NCCL broadcast by a `sender`), /finish_weight_update with the version label,
+  /reset_prefix_cache, /resume.
   The data plane is a pluggable `Sender` so the HTTP part is tested here against a local fake
   and the NCCL part (needs vLLM and a GPU) is imported only when used.
 
@@ -48,24 +50,36 @@ class EngineSync:
 
 
 class DiskSync:
-    """Reload from disk: save safetensors into `directory`, then ask the engine to reload."""
+    """Reload from disk: save safetensors into `directory` in the engine's serving `dtype`, then
+    ask the engine to reload."""
 
-    def __init__(self, engine: Any, directory: str | Path) -> None:
+    def __init__(self, engine: Any, directory: str | Path, *, dtype: str = "float32") -> None:
         self.engine = engine
         self.directory = Path(directory)
+        self.dtype = dtype
 
     async def push(self, named_tensors: NamedTensors, *, version: int) -> None:
-        await asyncio.to_thread(save_safetensors, named_tensors, self.directory / "model.safetensors")
+        await asyncio.to_thread(save_safetensors, named_tensors, self.directory / "model.safetensors", dtype=self.dtype)
         await self.engine.update_weights(None, version=version)
 
 
-def save_safetensors(named_tensors: NamedTensors, path: Path) -> None:
-    """Atomic write (tmp + rename) so a reader never sees half a checkpoint."""
+def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "float32") -> None:
+    """Atomic write (tmp + rename) so a reader never sees half a checkpoint. A tensor sharing
+    storage with an earlier one (tied embeddings: lm_head.weight is embed_tokens.weight) is
+    written once, as the model's own checkpoint has it; the engine ties it again on load."""
+    import torch
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    # safetensors refuses shared storage (tied embeddings): store independent contiguous copies.
-    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors}
+    target = getattr(torch, dtype)
+    tensors, seen = {}, set()
+    for name, t in named_tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        # a copy only where the dtype, device or layout differ
+        tensors[name] = t.detach().to("cpu", dtype=target).contiguous()
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(path)
@@ -112,12 +126,14 @@ class VllmTransferSync:
             "shapes": [list(t.shape) for _, t in pairs],
             "packed": False,
         }
-        await self._post("/pause", None)
+        await self._post("/pause?mode=keep&clear_cache=false", None)  # see engines/vllm.py
         try:
             await self._post("/start_weight_update", {"is_checkpoint_format": True})
             await asyncio.gather(self._post("/update_weights", {"update_info": update_info}),
                                  self.sender.send(pairs))
-            await self._post("/finish_weight_update", None)
+            # the label vLLM stamps on every token sampled from now on (its weight_versions spans)
+            await self._post("/finish_weight_update", {"weight_version": str(version)})
+            await self._post("/reset_prefix_cache?reset_running_requests=true", None)
         finally:
             await self._post("/resume", None)
         if self.engine is not None:
