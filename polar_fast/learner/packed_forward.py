@@ -26,6 +26,8 @@ short remainder chunk goes first, so that the kept one is a full chunk.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -77,14 +79,21 @@ def dense_mask(size: torch.Tensor) -> torch.Tensor:
 
 
 def block_mask(size: torch.Tensor) -> Any:
-    """FlexAttention BlockMask of the same rule (GPU; imported lazily)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    """FlexAttention BlockMask of the same rule (GPU; imported lazily). Built compiled: the eager
+    path evaluates `mask_mod` on every (q, k) pair at once, a dense (T, T) tensor (64k tokens:
+    4 GiB of bools) that the block mask exists to avoid."""
     def mask_mod(b, h, q, k):  # noqa: ARG001 - FlexAttention's signature
         return (k <= q) & (q < k + size[k])
 
     t = size.shape[0]
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=size.device)
+    return _compiled_create_block_mask()(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=size.device)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def attention_mask_for(model: nn.Module, size: torch.Tensor, dtype: torch.dtype) -> Any:
