@@ -27,7 +27,6 @@ short remainder chunk goes first, so that the kept one is a full chunk.
 from __future__ import annotations
 
 import functools
-
 from typing import Any, NamedTuple
 
 import numpy as np
