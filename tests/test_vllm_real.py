@@ -220,7 +220,7 @@ async def test_harness_end_to_end_through_the_proxy(real_vllm, name, bundles, di
     checks are on the calls: answered, recorded token-exact, within the caps."""
     from harness_run import run_on_host
 
-    from polar_fast.rollouts.harnesses import get_harness
+    from polar_fast.rollouts.harnesses import ModelLimits, get_harness
 
     home, task = dirs
     engine = engine_for(real_vllm)
@@ -229,7 +229,8 @@ async def test_harness_end_to_end_through_the_proxy(real_vllm, name, bundles, di
         async with scripted_proxy(tmp_path, engine=engine, config=config) as px:
             cmd = get_harness(name).command(
                 prompt="Create the file hello.txt containing hi", proxy_url=px.base_url, api_key=px.token,
-                model=real_vllm.cfg.model.name, home=str(home), bundle=str(bundles[name]), max_steps=2)
+                model=real_vllm.cfg.model.name, home=str(home), bundle=str(bundles[name]), max_steps=2,
+                limits=ModelLimits(context_tokens=8192, max_output_tokens=16))
             code, output = await run_on_host(cmd, home=home, cwd=task, timeout_s=600)
             records = await px.records()
             failures = px.proxy.state.sessions[px.token].engine_failures
