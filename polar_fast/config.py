@@ -88,6 +88,8 @@ class SandboxConfig(_Section):
     memory_mb: int = 4096
     pids_limit: int = 512
     workdir: str = "/testbed"  # repo location inside the sandbox
+    user: str = "1000:1000"  # docker: uid:gid every command in the box runs as (never root)
+    read_only_root: bool = True  # docker: image file system read-only; repo and /tmp stay writable
 
 
 class HarnessConfig(_Section):

@@ -8,6 +8,12 @@ Routes (each `/v1/...` route also lives under `/s/<token>/v1/...`):
     HEAD /, GET /                     liveness
     POST /sessions, GET /sessions/<token>/records, DELETE /sessions/<token>   (admin)
 
+Admin routes are served on the TCP port only, never on `proxy.unix_socket`: that socket is what
+network-none Docker boxes reach, so a box sees its own session's model routes and nothing else
+(an admin path there is a 404). Boxes that reach the TCP port (host networking, the local
+sandbox) get admin routes behind a key generated for the run (rollouts/stack.py); a session
+token is never an admin key, so a box's token cannot read or end another session.
+
 A request's session comes from the path token, else from its API key (`Authorization: Bearer`
 or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: the session's
 incremental parse (capture/dialects/incremental.py: only what the request adds is decoded) →
@@ -496,7 +502,8 @@ async def health(request: web.Request) -> web.Response:
 # ----------------------------------------------------------------------------- app
 
 
-def make_app(state: ProxyState) -> web.Application:
+def make_app(state: ProxyState, *, admin: bool = True) -> web.Application:
+    """The proxy's routes; `admin=False` leaves out the session routes (the boxes' socket)."""
     app = web.Application(client_max_size=state.cfg.proxy.max_body_bytes, middlewares=[_errors])
     app[STATE] = state
     for prefix in ("", "/s/{token}"):
@@ -506,6 +513,8 @@ def make_app(state: ProxyState) -> web.Application:
         app.router.add_post(prefix + "/v1/messages/count_tokens", count_tokens)
         app.router.add_get(prefix + "/v1/models", models)
     app.router.add_get("/", health)  # aiohttp answers HEAD on GET routes
+    if not admin:
+        return app
     app.router.add_post("/sessions", create_session)
     app.router.add_get("/sessions/{token}/records", session_records)
     app.router.add_delete("/sessions/{token}", close_session)
@@ -526,6 +535,9 @@ def _bind_unix(path: str) -> socket.socket:
         os.unlink(path)  # a stale socket from an earlier run
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
+    # boxes connect as an unprivileged user; the socket serves model routes only (an unknown
+    # token gets 401), and its directory decides who on the host can reach it
+    os.chmod(path, 0o666)
     return sock
 
 
@@ -585,6 +597,7 @@ async def open_proxy(cfg: Config, engine: Engine, record_log: RecordLog, *, rend
     async with asyncio.TaskGroup() as tg:
         tg.create_task(recorder.run())
         runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
+        box_runner = None  # the Unix socket's: model routes only, what boxes reach never serves admin
         try:
             await runner.setup()
             site = web.TCPSite(runner, pc.host, pc.port)
@@ -594,9 +607,13 @@ async def open_proxy(cfg: Config, engine: Engine, record_log: RecordLog, *, rend
             state.base_url = f"http://{host}:{port}"
             if pc.unix_socket:  # bound in a thread: creating the socket file is blocking file I/O
                 sock = await asyncio.to_thread(_bind_unix, pc.unix_socket)
-                await web.SockSite(runner, sock).start()
+                box_runner = web.AppRunner(make_app(state, admin=False), handle_signals=False, access_log=None)
+                await box_runner.setup()
+                await web.SockSite(box_runner, sock).start()
             yield Proxy(state, state.base_url, pc.unix_socket)
         finally:
+            if box_runner is not None:
+                await box_runner.cleanup()
             await runner.cleanup()
             recorder.close()
             await asyncio.to_thread(render_pool.shutdown)

@@ -171,6 +171,11 @@ async def test_api_key_session_and_unix_socket(tmp_path):
             async with http.post("http://proxy/v1/messages", json=req, headers={"x-api-key": px.token}) as r:
                 assert r.status == 200
                 assert (await r.json())["content"] == [{"type": "text", "text": "hi"}]
+            # what boxes reach serves no admin route, even to a valid token
+            for method, path in (("POST", "/sessions"), ("GET", f"/sessions/{px.token}/records"),
+                                 ("DELETE", f"/sessions/{px.token}")):
+                async with http.request(method, "http://proxy" + path, headers={"x-api-key": px.token}) as r:
+                    assert r.status == 404, (method, path)
         async with aiohttp.ClientSession() as http:
             async with http.get(root + "/v1/models", headers={"Authorization": f"Bearer {px.token}"}) as r:
                 assert (await r.json())["data"][0]["id"] == "smollm2-135m-instruct"

@@ -171,6 +171,7 @@ async def test_docker_network_none_reaches_the_proxy_through_its_unix_socket(bas
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     await anyio.to_thread.run_sync(listener.bind, sock)  # bind stats the path: off the loop
+    await anyio.to_thread.run_sync(os.chmod, sock, 0o666)  # as the proxy does: boxes connect unprivileged
     await web.SockSite(runner, listener).start()
     f = make_sandbox_factory(SandboxConfig(kind="docker"), run_id=f"t-{uuid.uuid4().hex[:8]}")
     try:

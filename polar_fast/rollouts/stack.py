@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import secrets
 import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -48,9 +49,21 @@ def with_proxy_socket(cfg: Config, socket_dir: str) -> Config:
     return cfg
 
 
+def with_admin_key(cfg: Config) -> Config:
+    """Boxes that reach the proxy's TCP port (Docker with host networking, the local sandbox)
+    must not reach its admin routes: they get a key generated for the run, which no box sees.
+    (The local sandbox runs as the same user on the same machine, so this only raises the bar;
+    docs/config.md says to use Docker for untrusted agents.)"""
+    reaches_tcp = cfg.sandbox.kind == "local" or cfg.sandbox.network == "host"
+    if reaches_tcp and not cfg.proxy.admin_key:
+        proxy = msgspec.structs.replace(cfg.proxy, admin_key=secrets.token_hex(16))
+        return msgspec.structs.replace(cfg, proxy=proxy)
+    return cfg
+
+
 @dataclass(eq=False)
 class Rollouts:
-    cfg: Config  # as served: proxy.unix_socket is set when network-none boxes need it
+    cfg: Config  # as served: proxy.unix_socket set for network-none boxes, admin_key for the others
     engine: Engine
     proxy: Proxy
     agent: HarnessAgent
@@ -99,7 +112,7 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *,
             log = await asyncio.to_thread(RecordLog, run_dir / "records.log", fsync=cfg.proxy.record_fsync)
             # a short path: Unix socket paths cap at ~108 bytes
             socket_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=SOCKET_DIR_PREFIX)
-            cfg = with_proxy_socket(cfg, socket_dir)
+            cfg = with_admin_key(with_proxy_socket(cfg, socket_dir))
             try:
                 async with open_proxy(cfg, engine, log) as proxy:
                     limits = ModelLimits(context_tokens=cfg.model.max_context_tokens,

@@ -2,8 +2,14 @@
 
 Choices:
 - The container runs `sleep infinity` under docker-init (reaps zombies); every command is a
-  `docker exec`. Never privileged, no-new-privileges, all capabilities dropped except the few
-  that root inside needs for ordinary file work; cpu / memory / pids limits from the config.
+  `docker exec` as the unprivileged `sandbox.user` (1000:1000 by default), which holds no
+  capabilities. Never privileged, no-new-privileges, all capabilities dropped but CHOWN, used
+  once: at boot one root exec hands the repo, home and tmp directories to that user (a task
+  image's repo belongs to root). cpu / memory / pids limits from the config.
+- `sandbox.read_only_root` (default on): the image's file system is read-only; the repo
+  (`workdir`, holding the image's copy of it) and /tmp (with HOME under it) are anonymous
+  volumes, removed with the box. Files are copied in per volume, since Docker refuses an archive
+  aimed at a read-only root, and owned by the box user, parent directories included.
 - Network `none` by default: the proxy's Unix socket is bind-mounted at PROXY_SOCKET and the
   loopback forwarder (forwarder.py, mounted read-only) listens on 127.0.0.1:PORT inside, so a
   harness sees the same `http://127.0.0.1:PORT` as on the host and has no other egress. `host`
@@ -46,7 +52,11 @@ FORWARDER = "/opt/polar/forwarder.py"
 FORWARDER_SOURCE = Path(__file__).with_name("forwarder.py")
 MAX_OUTPUT_BYTES = 8 << 20  # per stream; the tail is kept
 HOME = "/tmp/polar-home"
-_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID"]
+ROOT = "0:0"  # only the boot step's mkdir + chown runs as root
+# CHOWN: that boot step gives the repo and home to the box user. Nothing else: the box user's
+# processes hold no capabilities anyway (a non-root exec drops them), and root never runs
+# anything the box controls.
+_CAPS = ["CHOWN"]
 
 
 def forwarder_argv(port: int) -> list[str]:
@@ -80,6 +90,7 @@ class DockerSandbox:
         timeout_s: float | None = None,
         stdin: bytes | None = None,
         detach: bool = False,
+        user: str = "",
     ) -> ExecResult:
         marker = uuid.uuid4().hex
         if stdin is not None:
@@ -91,6 +102,7 @@ class DockerSandbox:
         try:
             ex = await self.container.exec(
                 argv,
+                user=user or self._factory.cfg.user,
                 environment=full_env,
                 workdir=self._abs(cwd) if cwd else self.workdir,
                 stdout=not detach,
@@ -143,7 +155,9 @@ class DockerSandbox:
 
     async def _kill_marked(self, marker: str) -> None:
         with contextlib.suppress(aiodocker.DockerError):
-            ex = await self.container.exec(["sh", "-c", kill_marked_script(marker)], stdout=True, stderr=True)
+            # as the box user: it may read its own processes' environments and kill them
+            ex = await self.container.exec(["sh", "-c", kill_marked_script(marker)], user=self._factory.cfg.user,
+                                           stdout=True, stderr=True)
             stream = ex.start(detach=False)
             try:
                 await _read_stream(stream, bytearray(), bytearray())
@@ -151,18 +165,22 @@ class DockerSandbox:
                 await stream.close()
 
     async def write_files(self, files: dict[str, str | bytes], *, mode: int = 0o644) -> None:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for path, content in files.items():
-                data = content.encode() if isinstance(content, str) else content
-                info = tarfile.TarInfo(self._abs(path).lstrip("/"))
-                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-                tar.addfile(info, io.BytesIO(data))
-        await self._put_archive(buf.getvalue())
+        by_root: dict[str, dict[str, bytes]] = {}
+        for path, content in files.items():
+            full = self._abs(path)
+            root = next((r for r in self._writable if full.startswith(r + "/")), "/")
+            by_root.setdefault(root, {})[full] = content.encode() if isinstance(content, str) else content
+        uid, _, gid = self._factory.cfg.user.partition(":")
+        for root, group in by_root.items():
+            await self._put_archive(root, _owned_tar(root, group, mode, int(uid), int(gid or uid)))
 
-    async def _put_archive(self, data: bytes) -> None:
+    @property
+    def _writable(self) -> tuple[str, ...]:
+        return (self.workdir, "/tmp") if self._factory.cfg.read_only_root else ()
+
+    async def _put_archive(self, root: str, data: bytes) -> None:
         try:
-            await self.container.put_archive("/", data)
+            await self.container.put_archive(root, data)
         except aiodocker.DockerError as e:
             raise SandboxError(f"container {self.id[:12]}: copy in failed: {e.message}") from None
 
@@ -215,6 +233,7 @@ class DockerSandboxFactory:
         return self._base_image
 
     def _container_config(self, spec: SandboxSpec, image: str) -> dict:
+        read_only = self.cfg.read_only_root
         binds = [f"{m.source}:{m.target}:{'ro' if m.read_only else 'rw'}" for m in spec.mounts]
         network = self.cfg.network
         if spec.proxy_port and network == "none":
@@ -227,7 +246,10 @@ class DockerSandboxFactory:
             "Cmd": ["infinity"],
             "Labels": {RUN_LABEL: self.run_id, NAME_LABEL: spec.name},
             "WorkingDir": "/",
+            # anonymous volumes: the repo's starts as the image's copy of it; both go with the box
+            "Volumes": {self.cfg.workdir: {}, "/tmp": {}} if read_only else {},
             "HostConfig": {
+                "ReadonlyRootfs": read_only,
                 "NetworkMode": network,
                 "NanoCpus": int(self.cfg.cpus * 1e9),
                 "Memory": self.cfg.memory_mb << 20,
@@ -268,9 +290,11 @@ class DockerSandboxFactory:
                     await _delete(container)
 
     async def _prepare(self, box: DockerSandbox, spec: SandboxSpec) -> None:
-        done = await box.exec(["mkdir", "-p", box.workdir, box.home], cwd="/")
+        owner = self.cfg.user
+        script = 'mkdir -p "$1" "$2" && chmod 1777 /tmp && chown "$3" "$2" && chown -R "$3" "$1"'
+        done = await box.exec(["sh", "-c", script, "prepare", box.workdir, box.home, owner], cwd="/", user=ROOT)
         if done.exit_code != 0:
-            raise SandboxError(f"container {box.id[:12]}: mkdir failed: {done.stderr.strip()}")
+            raise SandboxError(f"container {box.id[:12]}: preparing {box.workdir} for {owner} failed: {done.stderr.strip()}")
         if spec.proxy_port and self.cfg.network == "none":
             await box.exec(forwarder_argv(spec.proxy_port), cwd="/", detach=True)
             probe = (
@@ -302,6 +326,28 @@ class DockerSandboxFactory:
         if self._docker is not None and self._own_client:
             await self._docker.close()
             self._docker = None
+
+
+def _owned_tar(root: str, files: dict[str, bytes], mode: int, uid: int, gid: int) -> bytes:
+    """A tar of `files` (absolute paths under root) relative to root, every file and parent
+    directory below root owned by uid:gid, so the box user can write where a harness expects."""
+    buf, now = io.BytesIO(), int(time.time())
+    dirs: set[str] = set()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for full, data in files.items():
+            rel = full[len(root):].lstrip("/") if root != "/" else full.lstrip("/")
+            parts = rel.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type, info.mode, info.mtime, info.uid, info.gid = tarfile.DIRTYPE, 0o755, now, uid, gid
+                    tar.addfile(info)
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime, info.uid, info.gid = len(data), mode, now, uid, gid
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def _first_file(tar: tarfile.TarFile, path: str) -> bytes:
