@@ -4,11 +4,12 @@ Two kinds of text, each a set of distinct texts made with a seeded RNG: ~1.2 KB 
 outputs, and ~20 KB mixed texts (chat turns, code, prose, unicode). HF is timed as the proxy
 calls it (`encode_batch_fast([text], add_special_tokens=False)`, one text per call); the Rust
 encoder one text per `encode_many` call, twice over the same set: "cold" starts from a fresh
-encoder (empty word cache), "warm" is the second pass. Ids are asserted equal to HF's; timings are
+encoder (empty word cache), "warm" is the second pass. Ids are compared with HF's (ids_equal in the RESULT line); timings are
 printed, never asserted. The speedup in the RESULT line uses the cold pass.
 
     python bench/tokenize_bench.py [--quick]
-Last line: RESULT bpe_speedup=X
+Last line: RESULT bpe_speedup=X ids_equal=1 tokens=N (ids_equal: every text's ids, cold and warm, equal
+HF's; tokens: HF's id count over all texts, a deterministic check for tests)
 """
 
 from __future__ import annotations
@@ -71,19 +72,22 @@ def main() -> None:
     cases = {"tool output 1.2 KB": [ls_output(rng) for _ in range(n[0])],
              "mixed 20 KB": [mixed_text(rng) for _ in range(n[1])]}
     print(f"{'text':<20} {'tokens':>8} {'HF ns/tok':>10} {'cold ns/tok':>12} {'warm ns/tok':>12} {'speedup':>8}")
-    speedups = []
+    speedups, total_tokens, equal = [], 0, True
     for name, texts in cases.items():
         enc = fast_encoder(tok)
         assert enc is not None
         hf_s, want = timed(lambda t: hf.encode_batch_fast([t], add_special_tokens=False)[0].ids, texts)
         cold_s, got = timed(lambda t: enc.encode_many([t])[0], texts)
         warm_s, again = timed(lambda t: enc.encode_many([t])[0], texts)
-        assert got == want and again == want, f"{name}: ids differ from HF"
+        equal = equal and got == want and again == want
+        if got != want or again != want:
+            print(f"{name}: ids differ from HF")
         n_tok = sum(map(len, want))
+        total_tokens += n_tok
         speedups.append(hf_s / cold_s)
         print(f"{name:<20} {n_tok:>8} {hf_s / n_tok * 1e9:>10.0f} {cold_s / n_tok * 1e9:>12.0f} "
               f"{warm_s / n_tok * 1e9:>12.0f} {hf_s / cold_s:>7.1f}x")
-    print(f"\nRESULT bpe_speedup={min(speedups):.1f}")
+    print(f"\nRESULT bpe_speedup={min(speedups):.1f} ids_equal={int(equal)} tokens={total_tokens}")
 
 
 if __name__ == "__main__":

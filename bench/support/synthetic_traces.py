@@ -8,7 +8,14 @@ output of 100-5,000 tokens (log-uniform). Harness events that rewrite history:
   - compaction when the prompt passes the context budget: system + task + a fresh summary;
   - sub-agents: a short fresh conversation with its own system prompt;
   - retries: the same prompt sent again, the first answer thrown away by the harness.
-Token ids are random; only the prefix structure matters to the merge.
+Token ids are random; only the prefix structure matters to the merge. Turn boundaries are written
+the way a ChatML template writes them (special ids above the random range, so content never holds
+one): a prompt ends with the generation prompt `<|im_start|>assistant\n`, a completion ends with the
+`<|im_end|>` the model samples, and history closes each assistant turn with `<|im_end|>\n` before
+the tool turn. Baselines that split turns at the end-of-turn token (Polar's prefix merging) see the
+same boundaries they would on a real capture.
+
+Frozen: merge_bench prints this file's sha256, so a changed trace shape shows in the bench output.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ import numpy as np
 from polar_fast.records import CallRecord
 
 VOCAB = 50_000
+IM_END = VOCAB  # end of turn: sampled by the model, written into history by the template
+IM_START, ROLE_ASSISTANT, ROLE_TOOL, NEWLINE = VOCAB + 1, VOCAB + 2, VOCAB + 3, VOCAB + 4
+GENERATION_PROMPT = [IM_START, ROLE_ASSISTANT, NEWLINE]
+TOOL_TURN_OPEN = [IM_END, NEWLINE, IM_START, ROLE_TOOL, NEWLINE]  # closes the assistant turn first
+TURN_CLOSE = [IM_END, NEWLINE]
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,12 @@ def _tool_output(rng: np.random.Generator) -> int:
     return int(np.exp(rng.uniform(np.log(100), np.log(5_000))))
 
 
+def _tool_turn(rng: np.random.Generator) -> list[int]:
+    """What the template appends after an assistant body: its end of turn, the tool result turn,
+    and the next generation prompt."""
+    return TOOL_TURN_OPEN + _tokens(rng, _tool_output(rng)) + TURN_CLOSE + GENERATION_PROMPT
+
+
 class _Rollout:
     def __init__(self, rollout_id: str, group_id: str, version: int) -> None:
         self.rollout_id, self.group_id, self.version = rollout_id, group_id, version
@@ -63,7 +81,7 @@ class _Rollout:
 
     def sample(self, rng: np.random.Generator, prompt: list[int], think: int, action: int) -> tuple[list[int], list[int]]:
         thinking, answer = _tokens(rng, think), _tokens(rng, action)
-        completion = thinking + answer
+        completion = thinking + answer + [IM_END]
         self.calls.append(
             CallRecord(
                 session_id=self.rollout_id, rollout_id=self.rollout_id, group_id=self.group_id,
@@ -81,17 +99,17 @@ def rollout_calls(rng: np.random.Generator, profile: Profile, shared: list[int],
     prompt = list(shared)
     while len(r.calls) < n_calls:
         if rng.random() < profile.p_subagent:
-            sub = _tokens(rng, int(rng.integers(2_000, 3_000)))  # the sub-agent's own system prompt
+            sub = _tokens(rng, int(rng.integers(2_000, 3_000))) + GENERATION_PROMPT  # its own system prompt
             for _ in range(int(rng.integers(3, 10))):
                 thinking, answer = r.sample(rng, sub, _span(rng, profile.think_tokens), _span(rng, profile.action_tokens))
-                sub = sub + thinking + answer + _tokens(rng, _tool_output(rng))
+                sub = sub + thinking + answer + _tool_turn(rng)
         if rng.random() < profile.p_retry:
             r.sample(rng, prompt, _span(rng, profile.think_tokens), _span(rng, profile.action_tokens))
         thinking, answer = r.sample(rng, prompt, _span(rng, profile.think_tokens), _span(rng, profile.action_tokens))
         kept = answer if profile.strips_thinking else thinking + answer
-        prompt = prompt + kept + _tokens(rng, _tool_output(rng))
-        if len(prompt) > profile.context_budget:
-            prompt = list(shared) + _tokens(rng, 2_000)  # compaction: system + task + summary
+        prompt = prompt + kept + _tool_turn(rng)
+        if len(prompt) > profile.context_budget:  # compaction: system + task + summary
+            prompt = list(shared[: -len(GENERATION_PROMPT)]) + _tokens(rng, 2_000) + GENERATION_PROMPT
     return r.calls[:n_calls]
 
 
@@ -99,7 +117,7 @@ def group_calls(profile: Profile, *, rollouts: int, calls_per_rollout: tuple[int
                 group_id: str = "g") -> list[CallRecord]:
     """One group's calls in capture order (rollouts interleaved, each in its own order)."""
     rng = np.random.default_rng(seed)
-    shared = _tokens(rng, profile.system_tokens + 300)  # system + tools + task statement
+    shared = _tokens(rng, profile.system_tokens + 300) + GENERATION_PROMPT  # system + tools + task statement
     per_rollout = [
         rollout_calls(rng, profile, shared, int(rng.integers(calls_per_rollout[0], calls_per_rollout[1] + 1)),
                       f"{group_id}/r{i}", group_id)
