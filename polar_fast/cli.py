@@ -4,6 +4,7 @@
     torchrun --nproc_per_node N -m polar_fast --config run.toml ...   # learner on N GPUs (FSDP2)
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
+    python -m polar_fast view --run runs/default [--port P] [--host H --key SECRET]
     python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
     python -m polar_fast tasks validate SOURCE [--config run.toml] [--split S] [--limit N] [--json PATH]
 
@@ -21,7 +22,7 @@ import uvloop
 from polar_fast.config import Config, load_config
 from polar_fast.errors import PolarError
 
-COMMANDS = ("train", "serve", "export", "harnesses", "tasks")
+COMMANDS = ("train", "serve", "export", "view", "harnesses", "tasks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
     export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
     export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
+    view = sub.add_parser("view", help="a local web page of a run's curves, rollouts and tokens")
+    view.add_argument("--run", type=Path, required=True, help="a run's output_dir (records.log, metrics.jsonl)")
+    view.add_argument("--host", default="127.0.0.1", help="listen address; anything but loopback needs --key")
+    view.add_argument("--port", type=int, default=8765, help="listen port (0 = any free port)")
+    view.add_argument("--key", default="", help="a secret every request must carry (required off loopback)")
     harnesses = sub.add_parser("harnesses", help="the harness CLI bundles")
     harness_sub = harnesses.add_subparsers(dest="harness_command", required=True)
     install = harness_sub.add_parser("install", help="build and cache harness bundles; prints `name path` per bundle")
@@ -78,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
 
             report = export_run(args.run, args.out, min_reward=args.min_reward)
             print(report)
+            return 0
+        if args.command == "view":
+            from polar_fast.report.view import serve_view
+
+            uvloop.run(serve_view(args.run, host=args.host, port=args.port, key=args.key))
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "tasks":

@@ -282,8 +282,9 @@ def _whole(records, length, complete):
     return out, missing
 
 
-def iter_frames(data: bytes) -> Iterator[tuple[int, Record]]:
-    """Yield (end offset, record) for each complete frame; stop at the first torn one."""
+def iter_frames(data: bytes, decoder: msgspec.msgpack.Decoder = _decoder) -> Iterator[tuple[int, Any]]:
+    """Yield (end offset, record) for each complete frame; stop at the first torn one. A
+    `decoder` of lighter view Structs (same tags) reads only the fields a reader needs."""
     offset = 0
     while offset + _HEADER.size <= len(data):
         length, crc = _HEADER.unpack_from(data, offset)
@@ -293,7 +294,7 @@ def iter_frames(data: bytes) -> Iterator[tuple[int, Record]]:
         payload = data[start : start + length]
         if crc32(payload) != crc:
             return
-        yield start + length, _decoder.decode(payload)
+        yield start + length, decoder.decode(payload)
         offset = start + length
 
 

@@ -185,7 +185,7 @@ class _Loop:
     async def _learn(self) -> None:
         cfg = self.cfg.run
         while self.learner.step_count < cfg.steps:
-            groups, withheld = [], 0
+            groups, withheld = [], []
             while len(groups) < cfg.groups_per_step:
                 ready = await self._next_group()
                 if ready is None:
@@ -193,12 +193,13 @@ class _Loop:
                     return
                 oldest = ready.oldest_version
                 if oldest is not None and self.learner.version - oldest > cfg.max_staleness:
-                    withheld += 1  # its calls stay in records.log; it just does not train
+                    withheld.append(ready.group.group_id)  # its calls stay in records.log; it just does not train
                     continue
                 groups.append(ready)
             await self._step(groups, withheld)
 
-    async def _step(self, groups: list[ReadyGroup], withheld: int) -> None:
+    async def _step(self, groups: list[ReadyGroup], withheld_ids: list[str]) -> None:
+        withheld = len(withheld_ids)
         calls = [c for g in groups for c in g.calls]
         rollouts = [r for g in groups for r in g.group.rollouts]
         started = time.perf_counter()
@@ -227,6 +228,8 @@ class _Loop:
             "step_time_s": time.perf_counter() - started,
         }
         flat = await self.metrics.write(step.step, values)
+        await self.metrics.write_groups(step.step, [(g.group.group_id, "trained") for g in groups]
+                                        + [(g, "withheld") for g in withheld_ids])
         self.summary.steps.append(flat)
         self.emit("step", flat)
 
