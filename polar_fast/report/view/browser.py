@@ -62,20 +62,21 @@ def chromium(*, width: int = 1400, height: int = 1000) -> Iterator:
 def view_server(run_dir: Path, *extra: str, timeout_s: float = 60.0) -> Iterator[str]:
     """`python -m polar_fast view --run RUN_DIR --port 0 ...`; yields the printed address."""
     command = [sys.executable, "-m", "polar_fast", "view", "--run", str(run_dir), "--port", "0", *extra]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()  # the first line names the address, or the error
-        match = re.search(r"on (http://\S+)", line)
-        if match is None:
-            rest = proc.communicate(timeout=timeout_s)[0]
-            raise RuntimeError(f"view did not start (exit {proc.returncode}): {line}{rest}")
-        # keep reading what it prints (tracebacks of failed requests), so its pipe never fills
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        yield match.group(1)
-    finally:
-        proc.terminate()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            line = proc.stdout.readline()  # the first line names the address, or the error
+            match = re.search(r"on (http://\S+)", line)
+            if match is None:
+                rest = proc.communicate(timeout=timeout_s)[0]
+                raise RuntimeError(f"view did not start (exit {proc.returncode}): {line}{rest}")
+            # keep reading what it prints (tracebacks of failed requests), so its pipe never fills
+            reader = threading.Thread(target=proc.stdout.read, daemon=True)
+            reader.start()
+            yield match.group(1)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -21,8 +21,15 @@ from typing import Any
 
 import msgspec
 
-from polar_fast.records import (CallRecord, ExchangeRecord, RolloutRecord, decode_frame, iter_frames,
-                                whole_calls, whole_exchanges)
+from polar_fast.records import (
+    CallRecord,
+    ExchangeRecord,
+    RolloutRecord,
+    decode_frame,
+    iter_frames,
+    whole_calls,
+    whole_exchanges,
+)
 
 
 class _CallView(msgspec.Struct, tag="call"):

@@ -97,6 +97,7 @@ def token_view(calls: Sequence[CallRecord], *, layout: str, tokenizer) -> dict[s
         "version": merged.versions.tolist(),
         "call": creator,
         "parent": merged.parent.tolist(),
+        "depth": merged.positions.tolist(),
         "extra": extras.tolist() if extras is not None else [],
         "calls": rows,
         "stats": {k: getattr(merged.stats, k) for k in merged.stats.__struct_fields__} | {"n_breaks": merged.stats.n_breaks},

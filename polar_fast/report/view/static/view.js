@@ -202,13 +202,13 @@ function tokensView(t, trained, mode) {
   for (let s = 0; s + 1 < t.offsets.length; s++) {
     const seq = el("div", { class: "seq", "data-seq": s }, el("span", { class: "seq-label", text: `sequence ${s} (${t.offsets[s + 1] - t.offsets[s]} tokens)` }));
     for (let i = t.offsets[s]; i < t.offsets[s + 1]; i++) {
+      if (t.layout === "tree" && i > t.offsets[s] && t.parent[i] !== i - 1)
+        seq.append(el("span", { class: "branch", text: `\n↳ branch after token ${t.parent[i]}: ` }));
       const c = marks.get(i);
       if (c) seq.append(el("span", { class: "break", "data-cause": c.cause, "data-call": c.call, title: c.break,
         text: `break · call ${c.call}: ${c.cause} (${c.history})` }));
-      if (t.layout === "tree" && i > t.offsets[s] && t.parent[i] !== i - 1)
-        seq.append(el("span", { class: "branch", text: `\n↳ branch after token ${t.parent[i]}: ` }));
       const span = el("span", { class: tokenClass(t.mask[i], trained) + (t.extra[i] ? " extra" : ""), "data-i": i, "data-id": t.ids[i],
-        "data-mask": t.mask[i], "data-call": t.call[i], "data-version": t.version[i], "data-logprob": t.logprob[i] ?? "",
+        "data-mask": t.mask[i], "data-call": t.call[i], "data-depth": t.depth[i], "data-version": t.version[i], "data-logprob": t.logprob[i] ?? "",
         title: `#${i} id ${t.ids[i]} · call ${t.call[i]} · ${t.mask[i] ? `sampled, logprob ${t.logprob[i]}, version ${t.version[i]}` : "prompt (mask 0)"}` +
                (t.extra[i] ? ` · sampled ${t.extra[i]} more time(s)` : "") });
       span.textContent = t.text[i];
@@ -271,6 +271,7 @@ async function rolloutPage(id) {
       draw();
     } catch (e) { tokenBox.replaceChildren(el("p", { class: "note torn", text: `${e.message} ${e.detail}` })); }
   };
+  layoutSel.value = new URLSearchParams(location.search).get("layout") || "";
   layoutSel.onchange = loadTokens;
   colorSel.onchange = () => tokens && draw();
   await loadTokens();
