@@ -106,7 +106,7 @@ async def api_run(request: web.Request) -> web.Response:
     data = await _refreshed(request)
     metrics, metrics_note = await asyncio.to_thread(data.metrics)
     notes = [metrics_note] if metrics_note else []
-    if not data.log_path.exists():
+    if not data.has_log:
         notes.append("no records.log yet: nothing has been captured")
     return web.json_response({
         "run_dir": str(data.run_dir), "config": data.config,

@@ -106,6 +106,7 @@ class RunData:
         self.torn_bytes = 0
         self.torn_reason = ""
         self.config: dict[str, Any] | None = None  # config.json as the run wrote it
+        self.has_log = False
         self._offset = 0  # just past the last complete frame read
         self._lock = threading.Lock()  # refreshes run in worker threads
 
@@ -114,8 +115,9 @@ class RunData:
             self.config = self._read_config()
             try:
                 size = self.log_path.stat().st_size
+                self.has_log = True
             except FileNotFoundError:
-                size = 0
+                size, self.has_log = 0, False
             if size < self._offset:  # a resumed run cut a torn tail off, or the log was replaced
                 self.rollouts.clear()
                 self._offset = 0

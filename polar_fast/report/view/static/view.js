@@ -77,7 +77,8 @@ function lineChart(id, title, metrics, keys) {
     const t = svg("text", { x: L - 4, y: yy + 3, "text-anchor": "end" }); t.textContent = fmt(v); plot.append(t);
   }
   for (const s of [...new Set([s0, s1])]) {
-    const t = svg("text", { x: x(s), y: H - 8, "text-anchor": "middle" }); t.textContent = `step ${s}`; plot.append(t);
+    const anchor = s0 === s1 ? "middle" : s === s0 ? "start" : "end";
+    const t = svg("text", { x: x(s), y: H - 8, "text-anchor": anchor }); t.textContent = `step ${s}`; plot.append(t);
   }
   const legend = el("div", { class: "legend" });
   keys.forEach((k, i) => {
