@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests need (Python deps, Rust toolchain checks, Docker Engine, a CPU
-# build of vLLM in its own venv, Debian's chromium) and runs the whole suite: cargo tests of the merge crate, then
-# pytest. Works on a fresh machine.
+# build of vLLM in its own venv, Debian's chromium and chromium-driver) and runs the whole suite:
+# cargo tests of the merge crate, then pytest. Works on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +16,6 @@ fi
 
 cargo test -q --manifest-path rust/merge/Cargo.toml
 # CI turns a skipped Docker test into a failure, so a broken engine never passes silently.
-# Likewise a missing vLLM: this script installed one, so its tests must run.
+# Likewise a missing vLLM or browser: this script installed them, so their tests must run.
 POLAR_REQUIRE_DOCKER="${POLAR_REQUIRE_DOCKER:-${CI:-}}" POLAR_REQUIRE_VLLM="${POLAR_REQUIRE_VLLM:-1}" \
-    .venv/bin/python -m pytest -q "$@"
+    POLAR_REQUIRE_BROWSER="${POLAR_REQUIRE_BROWSER:-1}" .venv/bin/python -m pytest -q "$@"

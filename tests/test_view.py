@@ -163,7 +163,10 @@ def test_a_break_shows_where_the_prompt_left_the_trie_and_why(run_dir, browser_r
 
 
 def test_the_plotted_values_equal_metrics_jsonl(run_dir, browser_required, tmp_path):
-    metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    metrics = {}  # (key, step) -> value; a step may have more than one line (a held-out eval writes its own)
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        metrics |= {(k, m["step"]): v for k, v in m.items() if k != "step"}
     with view_server(run_dir) as url, chromium() as d:
         d.get(url)
         wait_ready(d)
@@ -177,7 +180,7 @@ def test_the_plotted_values_equal_metrics_jsonl(run_dir, browser_required, tmp_p
             assert wanted in keys
         assert len(plotted) == len({(k, s) for k, s, _ in plotted})
         for key, step, value in plotted:
-            assert value == metrics[step][key], key
+            assert value == metrics[key, step], key
         outcomes = {tr.get_attribute("data-outcome"): int(tr.text.split()[-1]) for tr in css(d, "#outcomes tr[data-outcome]")}
         assert outcomes == {"ok": 2}
         assert json.loads(css(d, "#config")[0].get_attribute("textContent"))["proxy"]["history"] == "template"

@@ -53,7 +53,7 @@ function showNotes(run) {
 
 const CHARTS = [
   ["reward", "Reward per step", k => /^reward\/(mean|std|group_std_mean)$/.test(k)],
-  ["pass", "Held-out pass@k", k => k.includes("pass@")],
+  ["pass", "Held-out pass@k", k => k.includes("pass@") || k === "eval/mean_reward"],
   ["busy", "Pool busy fraction", k => /^pools\/.*\/busy_fraction$/.test(k)],
   ["queues", "Pool queue depth and running", k => /^pools\/.*\/(queued|running)$/.test(k)],
   ["tokens", "Tokens: sampled vs forwarded", k => ["proxy/sampled_tokens", "merge/tokens_forwarded", "proxy/call_tokens"].includes(k)],
