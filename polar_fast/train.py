@@ -90,8 +90,13 @@ def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
     return out
 
 
-def check_sampling(cfg: Config) -> None:
-    """Sampling the learner can reproduce: its logprobs are at `sampling.temperature`, no top-p."""
+def check_run(cfg: Config) -> None:
+    """What a training run needs of its config, checked before anything starts: sampling the
+    learner can reproduce (its logprobs are at `sampling.temperature`, no top-p), and packed
+    micro-batches that hold the longest sequence the context allows."""
+    if cfg.merge.max_tokens < cfg.model.max_context_tokens:
+        raise RunError(f"merge.max_tokens = {cfg.merge.max_tokens} is below model.max_context_tokens = "
+                       f"{cfg.model.max_context_tokens}: a full-context sequence would not fit one micro-batch")
     s = cfg.sampling
     if s.from_harness:
         raise RunError("sampling.from_harness = true lets a harness choose the temperature, but the learner computes "
@@ -114,7 +119,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
     "status" (every second), "step" (after each step) and "info" events for progress display."""
     emit = on_event or (lambda kind, data: None)
-    check_sampling(cfg)
+    check_run(cfg)
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     tc = cfg.tasks

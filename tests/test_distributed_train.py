@@ -25,6 +25,7 @@ from test_train import GROUP_REPLIES, toml_text
 from polar_fast.config import load_config
 from polar_fast.learner.distributed import Message, _decoder, _encoder
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
+from polar_fast.train import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,8 @@ def step_order(calls: list[CallRecord], rollouts: list[RolloutRecord]) -> list[C
 def test_two_rank_run_matches_a_single_process_step(tmp_path):
     out = tmp_path / "run"
     raw = {
-        "model": {"path": str(tiny_model_dir(tmp_path / "model"))},
+        # max_context_tokens: a micro-batch (merge.max_tokens) holds a full-context sequence (train.check_run)
+        "model": {"path": str(tiny_model_dir(tmp_path / "model")), "max_context_tokens": 2048},
         "run": {"output_dir": str(out), "steps": 1, "groups_per_step": 1, "max_staleness": 4, "tensorboard": False},
         "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES},
         "sampling": {"max_tokens": 4096},
@@ -138,6 +140,7 @@ def test_the_8gpu_example_is_consistent_with_its_launch_command():
     assert (cfg.learner.device, cfg.learner.dtype, cfg.learner.attention) == ("cuda", "bfloat16", "flex_attention")
     assert cfg.learner.gradient_checkpointing
     assert cfg.merge.max_tokens >= cfg.model.max_context_tokens
+    check_run(cfg)  # what a run checks at start
 
     launch = re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+) torchrun --standalone --nproc_per_node (\d+)",
                        path.read_text())
@@ -160,6 +163,7 @@ def test_the_qwen35_example_is_the_papers_setup_and_validates():
     assert cfg.model.path.endswith("Qwen3.5-4B") and cfg.model.tool_parser == "qwen3_coder" and cfg.model.reasoning
     assert cfg.engine.kind == "vllm" and cfg.engine.data_parallel_size == len(cfg.engine.launch_gpus) == 4
     assert cfg.merge.layout == "tree" and cfg.merge.max_tokens >= cfg.model.max_context_tokens
+    check_run(cfg)  # what a run checks at start
     assert cfg.sampling.max_tokens < cfg.model.max_context_tokens
     assert cfg.learner.check_packed and cfg.learner.kl_coef > 0 and (cfg.pools.group_size, cfg.run.groups_per_step) == (16, 9)
     launch = re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+) torchrun --standalone --nproc_per_node (\d+)", path.read_text())

@@ -15,7 +15,7 @@ from polar_fast.engines import Sampling
 from polar_fast.engines.scripted import ScriptedEngine
 from polar_fast.records import CallRecord, HarnessSampling
 from polar_fast.testing import scripted_proxy
-from polar_fast.train import RunError, check_sampling
+from polar_fast.train import RunError, check_run
 
 TOLERANCE = 1e-4
 
@@ -58,8 +58,13 @@ async def test_the_runs_sampling_wins_and_the_harness_ask_is_recorded(tmp_path, 
 ])
 def test_training_refuses_sampling_the_learner_cannot_reproduce(sampling, message):
     with pytest.raises(RunError, match=message):
-        check_sampling(parse_config({"sampling": sampling}))
-    check_sampling(parse_config({"sampling": {"temperature": 0.7}}))  # any temperature > 0 is fine
+        check_run(parse_config({"sampling": sampling}))
+    check_run(parse_config({"sampling": {"temperature": 0.7}}))  # any temperature > 0 is fine
+
+
+def test_training_refuses_micro_batches_shorter_than_the_context():
+    with pytest.raises(RunError, match="merge.max_tokens = 4096 is below model.max_context_tokens = 8192"):
+        check_run(parse_config({"merge": {"max_tokens": 4096}}))
 
 
 def _embedded_call(temperature: float) -> CallRecord:

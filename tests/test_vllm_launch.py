@@ -126,6 +126,14 @@ def test_command_line_and_environment(tmp_path):
     assert env["PATH"] == "/usr/bin" and env["HF_HOME"] == "/cache/hf"
 
 
+def test_vllm_and_a_cuda_learner_never_share_a_gpu(tmp_path):
+    cfg = parse_config({"model": {"path": str(tmp_path)}, "learner": {"device": "cuda"},
+                        "engine": {"kind": "vllm", "launch_gpus": [2, 3], "data_parallel_size": 2}})
+    with pytest.raises(VllmLaunchError, match=r"shares GPUs \[3\] with the learner"):
+        launch_spec(cfg, tmp_path, 1, base_env={"CUDA_VISIBLE_DEVICES": "3,4"})
+    launch_spec(cfg, tmp_path, 1, base_env={"CUDA_VISIBLE_DEVICES": "4,5"})  # disjoint: fine
+
+
 def test_a_python_with_vllm_runs_the_api_server_module(tmp_path):
     python = tmp_path / "python"
     python.write_text("")

@@ -109,6 +109,10 @@ def launch_spec(cfg: Config, model_dir: Path, port: int, *, executable: str = "v
     gpus = list(e.launch_gpus)
     if not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0:
         raise VllmLaunchError(f"engine.launch_gpus must list distinct GPU ids >= 0, got {gpus}")
+    learner_gpus = _learner_gpus(cfg, os.environ if base_env is None else base_env)
+    if set(gpus) & set(learner_gpus):
+        raise VllmLaunchError(f"engine.launch_gpus = {gpus} shares GPUs {sorted(set(gpus) & set(learner_gpus))} with the "
+                              f"learner (CUDA_VISIBLE_DEVICES = {','.join(map(str, learner_gpus))}): give vLLM other GPUs")
     if e.data_parallel_size < 1 or e.data_parallel_size > len(gpus):
         raise VllmLaunchError(f"engine.data_parallel_size = {e.data_parallel_size} needs 1 to "
                               f"{len(gpus)} GPUs (engine.launch_gpus = {gpus})")
@@ -132,6 +136,14 @@ def launch_spec(cfg: Config, model_dir: Path, port: int, *, executable: str = "v
            if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env |= {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
     return LaunchSpec(argv=argv, env=env, url=f"http://127.0.0.1:{port}")
+
+
+def _learner_gpus(cfg: Config, env: Mapping[str, str]) -> list[int]:
+    """The absolute GPU ids a CUDA learner runs on (CUDA_VISIBLE_DEVICES; none known without it)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    if not cfg.learner.device.startswith("cuda") or not visible:
+        return []
+    return [int(g) for g in visible.split(",") if g.strip().isdigit()]
 
 
 def prepare_model_dir(source: Path, target: Path) -> Path:
