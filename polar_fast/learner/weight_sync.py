@@ -14,6 +14,11 @@
   /reset_prefix_cache, /resume.
   The data plane is a pluggable `Sender` so the HTTP part is tested here against a local fake
   and the NCCL part (needs vLLM and a GPU) is imported only when used.
+  No caller yet (the run uses DiskSync), and `NcclSender` calls the trainer API of vLLM before
+  0.32 (`NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights`): 0.32, the version
+  tested, moved it to `NCCLTrainerWeightTransferEngine.trainer_init(info, client=, source=)`,
+  which drives the HTTP calls itself. Not ported, since no backend runs on a CPU (nccl,
+  sparse_nccl and nccl_m2n open a PyNccl communicator, ipc shares CUDA IPC handles).
 
 Every sync ends with the engine's `policy_version` set to the new version, which the proxy
 stamps on every call record it captures afterwards.
