@@ -163,9 +163,20 @@ class RunConfig(_Section):
     steps: int = 2
     groups_per_step: int = 2
     max_staleness: int = 1  # policy versions a trajectory may lag before it is withheld
+    groups_in_flight: int = 0  # groups started but not finished; 0 = 2 x groups_per_step (stragglers delay only their group)
+    partial_group_after_s: float = 0.0  # > 0: train a group without stragglers that waited this long (biased); 0 = off
     seed: int = 0
     checkpoint_every: int = 1  # steps
     tensorboard: bool = True
+
+
+def groups_in_flight(run: RunConfig) -> int:
+    """The cap on groups started but not finished: more than a step needs, so one straggler
+    delays only its own group."""
+    if run.groups_in_flight and run.groups_in_flight < run.groups_per_step:
+        raise ConfigError(f"run.groups_in_flight={run.groups_in_flight} is below run.groups_per_step="
+                          f"{run.groups_per_step}: a step could never fill")
+    return run.groups_in_flight or 2 * max(run.groups_per_step, 1)
 
 
 class RolloutServiceConfig(_Section):

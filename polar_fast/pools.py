@@ -16,6 +16,17 @@ service feeds); `on_group` receives a group when all its
 rollouts have a final record. A slow `on_group` fills the queues behind it and finally stops the
 producer: backpressure all the way to the task list.
 
+Stragglers: groups finish in any order, so a rollout that hangs up to its timeout delays only
+its own group while the others run on. `max_groups_in_flight` (0 = only the queues bound it;
+the training run passes `run.groups_in_flight`) caps the groups started but not finished: the
+producer starts no new group past it, which bounds how far rollouts run ahead of the learner.
+A straggler is a rollout still running when only its group's last quarter (at least its last
+one) is; statistics() counts them and gives the longest time a group has waited on its own. With `partial_group_after_s` > 0 (off by default) a group
+whose stragglers have waited that long goes to `on_group` without them: it then holds only its
+finished members, and GRPO's advantage is taken over those, which biases learning toward short
+rollouts (the long ones are exactly those left out). The late rollouts still finish and are
+recorded, and go to `on_late` (never trained).
+
 Outcomes: ok (reward from the tests), agent_error and timeout (reward 0, no eval), infra_error
 (sandbox died or would not boot, evaluation sandbox failed): retried up to `infra_retries` times
 with a fresh sandbox and a new rollout id (`<id>.a<attempt>`, so calls captured during a failed
@@ -75,6 +86,10 @@ class PoolsStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rollouts_done: int
     retries: int
     elapsed_s: float
+    groups_in_flight: int = 0  # started, not yet handed to on_group
+    stragglers: int = 0  # rollouts still running while the rest of their group is final
+    oldest_straggler_s: float = 0.0  # longest such wait, since the group's other rollouts finished
+    partial_groups: int = 0  # groups handed on without their stragglers (partial_group_after_s)
 
 
 class _Stage:
@@ -170,6 +185,9 @@ class Pools:
         collect_diff: Callable[[Any, Task], Awaitable[str]] | None = None,
         score: Callable[..., Awaitable[EvalResult]] = evaluate,
         clock: Callable[[], float] = time.monotonic,
+        max_groups_in_flight: int = 0,
+        partial_group_after_s: float = 0.0,
+        on_late: Callable[[RolloutRecord], Awaitable[None]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.factory = factory
@@ -185,12 +203,23 @@ class Pools:
         self._live: set[Any] = set()  # booted boxes not yet removed
         self._groups_done = self._rollouts_done = self._retries = 0
         self._started_at = clock()
+        self.max_groups_in_flight = max_groups_in_flight
+        self.partial_group_after_s = partial_group_after_s
+        self.on_late = on_late
+        self._in_flight: dict[str, int] = {}  # group id -> rollouts not yet final
+        self._straggling: dict[str, float] = {}  # group id -> when only its stragglers were left
+        self._partial: set[str] = set()  # groups handed on without their stragglers
+        self._partial_groups = 0
 
     def statistics(self) -> PoolsStatistics:
         return PoolsStatistics(
             boot=self._stages["boot"].statistics(), agent=self._stages["agent"].statistics(),
             eval=self._stages["eval"].statistics(), groups_done=self._groups_done,
             rollouts_done=self._rollouts_done, retries=self._retries, elapsed_s=self.clock() - self._started_at,
+            groups_in_flight=len(self._in_flight) - len(self._partial),
+            stragglers=sum(self._in_flight.get(g, 0) for g in self._straggling),
+            oldest_straggler_s=max((self.clock() - t for t in self._straggling.values()), default=0.0),
+            partial_groups=self._partial_groups,
         )
 
     async def run(self, tasks: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec],
@@ -209,6 +238,7 @@ class Pools:
         self._stages["eval"].queue = eval_rx
         self._unfinished = 0
         self._producer_done = False
+        self._group_slots = anyio.Semaphore(self.max_groups_in_flight) if self.max_groups_in_flight > 0 else None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._grouper, done_rx, on_group)
@@ -245,6 +275,9 @@ class Pools:
     async def _produce(self, n: int, item: Task | GroupSpec) -> None:
         if not isinstance(item, GroupSpec):
             item = GroupSpec(task=item, group_id=f"{item.instance_id}-g{n}", group_size=self.cfg.group_size)
+        if self._group_slots is not None:
+            await self._group_slots.acquire()  # released when the group goes to on_group
+        self._in_flight[item.group_id] = item.group_size
         for index in range(item.group_size):
             await self._new_slots.acquire()
             self._unfinished += 1
@@ -257,23 +290,66 @@ class Pools:
 
     async def _grouper(self, done_rx, on_group) -> None:
         pending: dict[str, dict[int, _Final]] = {}
+        # with partial groups on, wake up now and then to hand on groups whose stragglers waited too long
+        poll_s = self.partial_group_after_s / 4 if self.partial_group_after_s > 0 else math.inf
         async with done_rx:
-            async for final in done_rx:
-                group = pending.setdefault(final.job.group_id, {})
-                group[final.job.index] = final
-                self._rollouts_done += 1
-                if len(group) == final.job.group_size:
-                    del pending[final.job.group_id]
-                    finals = [group[i] for i in range(final.job.group_size)]
-                    await on_group(RolloutGroup(
-                        group_id=final.job.group_id, task=final.job.task,
-                        rollouts=[f.record for f in finals],
-                        diffs={f.record.rollout_id: f.diff for f in finals if f.eval is not None},
-                        evals={f.record.rollout_id: f.eval for f in finals if f.eval is not None},
-                    ))
-                    self._groups_done += 1
-                self._unfinished -= 1
-                self._maybe_close_boot()
+            while True:
+                final = None
+                with anyio.move_on_after(poll_s):
+                    try:
+                        final = await done_rx.receive()
+                    except anyio.EndOfStream:
+                        return
+                if final is not None:
+                    await self._take_final(final, pending, on_group)
+                    self._unfinished -= 1
+                    self._maybe_close_boot()
+                if self.partial_group_after_s > 0:
+                    await self._hand_on_partial(pending, on_group)
+
+    async def _take_final(self, final: _Final, pending: dict[str, dict[int, _Final]], on_group) -> None:
+        job = final.job
+        self._rollouts_done += 1
+        self._in_flight[job.group_id] -= 1
+        left = self._in_flight[job.group_id]
+        if left == 0:
+            del self._in_flight[job.group_id]
+            self._straggling.pop(job.group_id, None)
+        if job.group_id in self._partial:  # its group went on without it: recorded, never trained
+            if left == 0:
+                self._partial.discard(job.group_id)
+            if self.on_late is not None:
+                await self.on_late(final.record)
+            return
+        group = pending.setdefault(job.group_id, {})
+        group[job.index] = final
+        if left == 0:
+            del pending[job.group_id]
+            await self._hand_on(job.group_id, [group[i] for i in range(job.group_size)], on_group)
+        elif left <= max(1, job.group_size // 4) and job.group_id not in self._straggling:
+            self._straggling[job.group_id] = self.clock()  # only its last quarter is still running
+
+    async def _hand_on_partial(self, pending: dict[str, dict[int, _Final]], on_group) -> None:
+        now = self.clock()
+        for group_id, since in list(self._straggling.items()):
+            finals = pending.get(group_id, {})
+            if group_id in self._partial or now - since < self.partial_group_after_s or len(finals) < 2:
+                continue  # an advantage needs at least two finished members
+            del pending[group_id]
+            self._partial.add(group_id)
+            self._partial_groups += 1
+            await self._hand_on(group_id, [finals[i] for i in sorted(finals)], on_group)
+
+    async def _hand_on(self, group_id: str, finals: list[_Final], on_group) -> None:
+        await on_group(RolloutGroup(
+            group_id=group_id, task=finals[0].job.task,
+            rollouts=[f.record for f in finals],
+            diffs={f.record.rollout_id: f.diff for f in finals if f.eval is not None},
+            evals={f.record.rollout_id: f.eval for f in finals if f.eval is not None},
+        ))
+        self._groups_done += 1
+        if self._group_slots is not None:
+            self._group_slots.release()
 
     def _record(self, job: _Job, outcome: Outcome, *, reward: float | None, n_calls: int = 0, error: str = "") -> RolloutRecord:
         return RolloutRecord(

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import msgspec
 
-from polar_fast.config import Config
+from polar_fast.config import Config, groups_in_flight
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner
 from polar_fast.learner import distributed
@@ -140,8 +140,11 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:
-                loop = _Loop(rollouts.cfg, learner, sync, rollouts.pools(), rollouts.agent, rollouts.proxy,
+                pools = rollouts.pools(max_groups_in_flight=groups_in_flight(cfg.run),
+                                       partial_group_after_s=cfg.run.partial_group_after_s)
+                loop = _Loop(rollouts.cfg, learner, sync, pools, rollouts.agent, rollouts.proxy,
                              metrics, summary, stop.event, emit)
+                pools.on_late = loop.on_late
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
         await asyncio.to_thread(distributed.stop_followers, learner)
@@ -175,6 +178,13 @@ class _Loop:
             await self.proxy.record(rollout)
             self.summary.outcomes[rollout.outcome.value] = self.summary.outcomes.get(rollout.outcome.value, 0) + 1
         await self.ready.put(ReadyGroup(group, calls))
+
+    async def on_late(self, rollout) -> None:
+        """A straggler whose group already trained without it (run.partial_group_after_s):
+        recorded, never trained; its calls are in records.log."""
+        self.agent.take_calls([rollout.rollout_id], rollout.group_id)
+        await self.proxy.record(rollout)
+        self.summary.outcomes[rollout.outcome.value] = self.summary.outcomes.get(rollout.outcome.value, 0) + 1
 
     async def _next_group(self) -> ReadyGroup | None:
         """The next finished group, or None once a stop was requested."""
@@ -225,6 +235,8 @@ class _Loop:
             "outcomes": _outcome_counts(rollouts),
             "pools": {s.name: {"busy_fraction": s.busy_fraction, "queued": s.queued, "running": s.running}
                       for s in (stats.boot, stats.agent, stats.eval)},
+            "stragglers": {"running": stats.stragglers, "oldest_s": stats.oldest_straggler_s,
+                           "groups_in_flight": stats.groups_in_flight, "partial_groups": stats.partial_groups},
             "proxy": {"calls": len(calls), "call_tokens": call_tokens, "sampled_tokens": sampled},
             "merge": {"tokens_forwarded": step.n_tokens,
                       "per_call_over_merged": call_tokens / step.n_tokens if step.n_tokens else 0.0},
@@ -244,6 +256,7 @@ class _Loop:
             self.emit("status", {
                 "queued": stats.boot.queued, "booting": stats.boot.running, "running": stats.agent.running,
                 "evaluating": stats.eval.running, "rollouts_done": stats.rollouts_done,
+                "stragglers": stats.stragglers, "oldest_straggler_s": round(stats.oldest_straggler_s, 1),
                 "groups_ready": self.ready.qsize(), "step": self.learner.step_count, "version": self.learner.version,
             })
             await asyncio.sleep(1.0)

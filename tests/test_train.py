@@ -76,6 +76,9 @@ async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path):
     assert step["learner/n_terms"] == step["proxy/sampled_tokens"] > 0
     assert 0 < step["merge/tokens_forwarded"] < step["proxy/call_tokens"]
     assert step["learner/grad_norm"] > 0
+    # run.groups_in_flight defaults to 2 x groups_per_step; stragglers are reported every step
+    assert step["stragglers/groups_in_flight"] <= 2 * cfg.run.groups_per_step
+    assert step["stragglers/running"] >= 0 and step["stragglers/oldest_s"] >= 0
     assert summary.checkpoint.endswith("step_1.pt")
     await anyio.to_thread.run_sync(check_run_files, tmp_path / "run", step)
 

@@ -20,6 +20,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+import anyio
 import msgspec
 
 from polar_fast.errors import PolarError
@@ -115,7 +116,9 @@ class HarnessAgent:
             result = await box.exec(cmd.argv, env=cmd.env, cwd=box.workdir, timeout_s=timeout_s)
         finally:
             self.proxy.close_session(session.token)  # late requests now get 401
-            self._calls[rollout_id] = await asyncio.to_thread(session.records)
+            # shielded: a rollout cut off at the pools' hard timeout keeps the calls it made
+            with anyio.CancelScope(shield=True):
+                self._calls[rollout_id] = await asyncio.to_thread(session.records)
         output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
         failed = result.exit_code != 0 or result.timed_out
         infra = ""

@@ -72,8 +72,9 @@ class Rollouts:
     run_id: str
     leftovers_removed: int  # sandboxes of an earlier, killed process on this run id
 
-    def pools(self) -> Pools:
-        return Pools(self.cfg.pools, self.factory, self.agent, agent_timeout_s=self.cfg.harness.timeout_s)
+    def pools(self, **options: Any) -> Pools:
+        """options: Pools' keywords (max_groups_in_flight, partial_group_after_s, on_late)."""
+        return Pools(self.cfg.pools, self.factory, self.agent, agent_timeout_s=self.cfg.harness.timeout_s, **options)
 
 
 @asynccontextmanager
