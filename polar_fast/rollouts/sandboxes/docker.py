@@ -149,9 +149,20 @@ class DockerSandbox:
         code = info.get("ExitCode")
         if timed_out:
             return code if code is not None else 137
-        if code is None or not await self.alive():
+        if code is None or not await self._alive_after(code):
             raise SandboxError(f"container {self.id[:12]} stopped while a command ran")
         return code
+
+    async def _alive_after(self, code: int) -> bool:
+        """A container being killed ends its execs with 137 a moment before it shows as stopped:
+        give it that moment, or the kill would pass for the agent's own failure (reward 0)."""
+        if code != 137:
+            return await self.alive()
+        for _ in range(20):
+            if not await self.alive():
+                return False
+            await anyio.sleep(0.1)
+        return True
 
     async def _kill_marked(self, marker: str) -> None:
         with contextlib.suppress(aiodocker.DockerError):
