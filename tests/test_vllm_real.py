@@ -21,14 +21,19 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
+from harness_run import run_on_host
+from safetensors.torch import load_file
 
+# every import at the top: importing inside an async test reads files on the loop (blockbuster)
 from polar_fast.config import parse_config
 from polar_fast.engines import Sampling
 from polar_fast.engines.vllm import VllmEngine
 from polar_fast.learner.weight_sync import DiskSync
 from polar_fast.model import load_tokenizer
 from polar_fast.records import CallRecord
+from polar_fast.rollouts.harnesses import ModelLimits, get_harness
 from polar_fast.testing import scripted_proxy
+from polar_fast.train import train
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -157,8 +162,6 @@ async def test_a_call_in_flight_across_a_weight_sync_completes(real_vllm, tmp_pa
 
 
 async def test_logprobs_follow_the_weights_a_disk_sync_loads(real_vllm):
-    from safetensors.torch import load_file
-
     engine = engine_for(real_vllm)
     sync = DiskSync(engine, real_vllm.weights.parent)
     prompt = await asyncio.to_thread(prompt_ids, COUNTING)
@@ -218,10 +221,6 @@ async def test_harness_end_to_end_through_the_proxy(real_vllm, name, bundles, di
     """harness CLI -> proxy -> real vLLM; both first prompts fit the 8k context (Codex, Qwen Code
     and Claude Code send more). What the tiny model does with its turns is its own choice, so the
     checks are on the calls: answered, recorded token-exact, within the caps."""
-    from harness_run import run_on_host
-
-    from polar_fast.rollouts.harnesses import ModelLimits, get_harness
-
     home, task = dirs
     engine = engine_for(real_vllm)
     config = {"sampling": {"max_tokens": 16}, "model": {"max_context_tokens": 8192}}
@@ -249,10 +248,6 @@ async def test_harness_end_to_end_through_the_proxy(real_vllm, name, bundles, di
 
 async def test_one_training_step_with_the_vllm_engine(real_vllm):
     """The run against the real server: rollouts, a GRPO step, the disk sync it reloads."""
-    from safetensors.torch import load_file
-
-    from polar_fast.train import train
-
     original = await asyncio.to_thread(load_file, str(real_vllm.weights))
     before = await served_version(real_vllm.url)
     cfg = parse_config({

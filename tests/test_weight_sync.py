@@ -149,3 +149,22 @@ async def test_vllm_transfer_failure_resumes_and_raises():
         await runner.cleanup()
     assert log[-1][0] == "/resume"  # generation is never left paused
     assert engine.policy_version == 0  # a failed sync does not bump the version
+
+
+def test_streamed_safetensors_read_back_as_safetensors_writes_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from polar_fast.learner.weight_sync import save_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tied = torch.randn(5, 3, generator=g)
+    pairs = [("embed.weight", tied), ("lm_head.weight", tied), ("odd.bias", torch.randn(7, generator=g)),
+             ("mlp.weight", torch.randn(4, 6, generator=g).t()), ("scalar", torch.tensor(2.5))]  # a transposed view too
+    for dtype in ("float32", "bfloat16", "float16"):
+        save_safetensors(pairs, tmp_path / f"{dtype}.safetensors", dtype=dtype)
+        want = {n: t.to(getattr(torch, dtype)).contiguous() for n, t in pairs if n != "lm_head.weight"}
+        save_file(want, str(tmp_path / f"ref-{dtype}.safetensors"))
+        got, ref = load_file(str(tmp_path / f"{dtype}.safetensors")), load_file(str(tmp_path / f"ref-{dtype}.safetensors"))
+        assert got.keys() == ref.keys() == want.keys()
+        for name in want:
+            assert got[name].dtype == ref[name].dtype and torch.equal(got[name], ref[name]), (dtype, name)

@@ -68,25 +68,42 @@ class DiskSync:
         await self.engine.update_weights(None, version=version)
 
 
-def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "float32") -> None:
-    """Atomic write (tmp + rename) so a reader never sees half a checkpoint. A tensor sharing
-    storage with an earlier one (tied embeddings: lm_head.weight is embed_tokens.weight) is
-    written once, as the model's own checkpoint has it; the engine ties it again on load."""
-    import torch
-    from safetensors.torch import save_file
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "float32") -> None:
+    """The weights as one safetensors file in `dtype`, written a tensor at a time: the header
+    first (names, shapes, offsets), then each tensor converted and written on its own, so the
+    serving-dtype copy never exists whole beside the learner's weights (an 8B model: 16 GB of
+    bf16 it would otherwise hold at once). Atomic (tmp + rename): a reader never sees half a
+    checkpoint. A tensor sharing storage with an earlier one (tied embeddings: lm_head.weight is
+    embed_tokens.weight) is written once, as the model's own checkpoint has it; the engine ties
+    it again on load."""
+    import json
+
+    import torch
+
     target = getattr(torch, dtype)
-    tensors, seen = {}, set()
+    kept, seen = [], set()
     for name, t in named_tensors:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        # a copy only where the dtype, device or layout differ
-        tensors[name] = t.detach().to("cpu", dtype=target).contiguous()
+        if key not in seen:
+            seen.add(key)
+            kept.append((name, t))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset, width = 0, target.itemsize
+    for name, t in kept:
+        n_bytes = t.numel() * width
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n_bytes]}
+        offset += n_bytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for _, t in kept:  # one converted tensor alive at a time
+            f.write(t.detach().to("cpu", dtype=target).contiguous().reshape(-1).view(torch.uint8).numpy().data)
     tmp.replace(path)
 
 
