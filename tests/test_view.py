@@ -300,6 +300,28 @@ def test_with_a_key_every_request_must_carry_it(run_dir, browser_required):
             assert "key=" not in d.current_url and css(d, "#charts g[data-key]")
 
 
+def test_the_index_follows_a_growing_log_across_read_chunks(run_dir, monkeypatch, tmp_path):
+    from polar_fast.report.view import run_data
+
+    monkeypatch.setattr(run_data, "READ_CHUNK_BYTES", 997)  # frames straddle every chunk boundary
+    data = (run_dir / "records.log").read_bytes()
+    contents = read_log(run_dir / "records.log")
+    (tmp_path / "records.log").write_bytes(data[: len(data) // 2])
+    index = run_data.RunData(tmp_path)
+    index.refresh()
+    assert 0 < index.torn_bytes < len(data) // 2 and index.rollouts
+    with (tmp_path / "records.log").open("ab") as f:  # the run appends the rest
+        f.write(data[len(data) // 2:])
+    index.refresh()
+    assert index.torn_bytes == 0
+    calls = read_calls(run_dir)
+    assert {r.rollout_id: (r.reward, r.n_calls, r.sampled_tokens) for r in index.rollouts.values()} == {
+        r.rollout_id: (r.reward, len(calls[r.rollout_id]), sum(len(c.completion_ids) for c in calls[r.rollout_id]))
+        for r in contents.rollouts}
+    for rollout_id, mine in calls.items():
+        assert index.rollout_records(rollout_id).calls == mine
+
+
 # --------------------------------------------------------------------------------------- scale
 
 

@@ -49,6 +49,7 @@ class _ExchangeView(msgspec.Struct, tag="exchange"):
 
 
 _index_decoder = msgspec.msgpack.Decoder(_CallView | _ExchangeView | RolloutRecord)
+READ_CHUNK_BYTES = 64 << 20
 
 
 def _msgpack_array_len(raw: msgspec.Raw) -> int:
@@ -124,16 +125,24 @@ class RunData:
             if size == self._offset:
                 self.torn_bytes = 0
                 return
+            pending = b""  # bytes read that do not yet form a whole frame
             with self.log_path.open("rb") as f:
                 f.seek(self._offset)
-                data = f.read(size - self._offset)
-            consumed = 0
-            for end, record in iter_frames(data, _index_decoder):
-                self._add(record, self._offset + consumed, self._offset + end)
-                consumed = end
-            self._offset += consumed
-            self.torn_bytes = len(data) - consumed
-            self.torn_reason = _torn_reason(data[consumed:], self._offset) if self.torn_bytes else ""
+                left = size - self._offset
+                while left > 0:  # in chunks: a first look at a long log never holds all of it
+                    chunk = f.read(min(READ_CHUNK_BYTES, left))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                    data = pending + chunk
+                    consumed = 0
+                    for end, record in iter_frames(data, _index_decoder):
+                        self._add(record, self._offset + consumed, self._offset + end)
+                        consumed = end
+                    self._offset += consumed
+                    pending = data[consumed:]
+            self.torn_bytes = len(pending)
+            self.torn_reason = _torn_reason(pending, self._offset) if pending else ""
 
     def _add(self, record, start: int, end: int) -> None:
         row = self.rollouts.get(record.rollout_id)
