@@ -7,7 +7,9 @@ and one group in flight the rollouts take the scripted replies in this order:
                kills the container (an infra fault: the rollout is retried in a fresh box);
     g0-r1      runs `sleep 25 # polar-chaos-hang`: the harness hangs past harness.timeout_s
                (an agent fault: outcome timeout, reward 0, its call kept);
-    g0-r0.a1   the retry applies the task's fix and submits (reward 1).
+    g0-r0.a1   the retry floods the harness's own output with 30 MB (written to its parent's
+               stdout, past the 8 MiB tail the sandbox keeps), then applies the task's fix and
+               submits (reward 1).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from polar_fast.train import train
 
 KILL = bash_call("sleep 12 # polar-chaos-kill")
 HANG = bash_call("sleep 25 # polar-chaos-hang")
+FLOOD = bash_call("head -c 30000000 /dev/zero | tr '\\0' x > /proc/$PPID/fd/1; echo flooded")
 
 
 def _docker(*args: str) -> str:
@@ -49,7 +52,7 @@ async def _kill_when_live(run_id: str, marker: str, killed: list[str]) -> None:
 async def test_container_killed_and_harness_hung_mid_run(tmp_path, docker_required, base_image):
     from polar_fast.rollouts.stack import run_id_for
 
-    replies = [KILL, HANG, bash_call(fix_command(TASK.patch)), SUBMIT]
+    replies = [KILL, HANG, FLOOD, bash_call(fix_command(TASK.patch)), SUBMIT]
     raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none"},
                      harness={"timeout_s": 20}, run={"groups_in_flight": 1, "tensorboard": False})
     cfg = parse_config(raw)
@@ -75,7 +78,10 @@ async def test_container_killed_and_harness_hung_mid_run(tmp_path, docker_requir
     for c in (c for c in contents.calls if c.group_id == g):  # a later group may start (and fail: no replies left)
         calls_by_rollout[c.rollout_id] = calls_by_rollout.get(c.rollout_id, 0) + 1
     # every answered call (one per scripted reply) is in the log, the killed attempt's too
-    assert calls_by_rollout == {f"{g}-r0": 1, f"{g}-r1": 1, f"{g}-r0.a1": 2}
+    assert calls_by_rollout == {f"{g}-r0": 1, f"{g}-r1": 1, f"{g}-r0.a1": 3}
+    # the flood was written (a failed redirect would have put its error in the observation)
+    seen = [str(m.content) for e in contents.exchanges if e.rollout_id == f"{g}-r0.a1" for m in e.messages]
+    assert any('"output": "flooded\\n"' in text for text in seen)
     # one infra fault, retried; the hang is the agent's (timeout, reward 0); rewards untouched
     final = {r.rollout_id: (r.outcome, r.reward) for r in contents.rollouts if r.group_id == g}
     assert final == {f"{g}-r0.a1": (Outcome.OK, 1.0), f"{g}-r1": (Outcome.TIMEOUT, 0.0)}
