@@ -41,7 +41,8 @@ RESULT row) and cpu_of_engine (polar_fast's CPU per call over the mean engine ti
 `--realistic`: a real agent call takes seconds of generation, so the fake engine draws each call's
 latency from a long-tailed log-normal (median 2 s, sigma 1, capped at 60 s; seeded) and 64-512
 sessions run at once (`--concurrency` to change); RESULT reads the highest concurrency. The
-20 ms fixed-latency default stays as the stress run.
+proxy, direct and LiteLLM runs draw different latencies there, so read its CPU columns, not the
+latency differences. The 20 ms fixed-latency default stays as the stress run.
 
 `--profile` writes a cProfile of the proxy process (event-loop thread); for worker threads use
 a sampling profiler on the `--serve` child (py-spy --threads).
@@ -118,7 +119,7 @@ def serve(port_file: str, delay_s: float, profile: str = "", render_threads: int
         cfg = parse_config({"engine": {"kind": "scripted"}, "model": {"max_context_tokens": 1 << 20}, "proxy": {"history_max_calls": 4, "render_threads": render_threads}})
         tok = load_tokenizer("")
         if vllm_url:  # production's engine client, against the fake `vllm serve` (serve_vllm)
-            engine = VllmEngine(vllm_url, model="m", timeout_s=60)
+            engine = VllmEngine(vllm_url, model="m", timeout_s=600)  # --realistic draws up to 60 s
         else:
             engine = ScriptedEngine([TOOL_CALL], tok, delay_s=delay_s, cycle=True)
             engine.prompts = _Discard()
@@ -458,6 +459,7 @@ async def bench(root: str, floor_root: str, args, server_pid: int, floor_pid: in
                 litellm_rows.append((concurrency, mode, len(lat_l), ms(percentile(lat_l, .5)), ms(percentile(lat_l, .99)),
                                      ms(percentile(lat_l, .5) - percentile(lat_d, .5)), rps_l, litellm_cpu_ms,
                                      litellm_cpu_ms / engine_ms, cpu_ms))
+                print(f"  (LiteLLM at {concurrency} {mode}: {litellm_cpu_ms:.2f} cpu ms/req, table below)", flush=True)
             results[(concurrency, mode)] = (added50, added99, rps_p / rps_d, floor50, cpu_ms / engine_ms,
                                             litellm_cpu_ms / cpu_ms)
             print(
@@ -580,6 +582,7 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     server_cores, client_cores = (set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])) if len(cores) > 1 else (set(cores), set(cores))
     print(f"cores: servers {sorted(server_cores)}, client {sorted(client_cores)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still stops its servers
     with tempfile.TemporaryDirectory() as tmp:
         servers, engine_side = [], []
         try:
