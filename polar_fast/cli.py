@@ -3,6 +3,7 @@
     python -m polar_fast --config run.toml [--resume] [--set section.key=value ...]   # train
     torchrun --nproc_per_node N -m polar_fast --config run.toml ...   # learner on N GPUs (FSDP2)
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
+    python -m polar_fast eval --config run.toml [--checkpoint PATH] [--harness a,b] [--samples N] [--k 1,5]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
     python -m polar_fast view --run runs/default [--port P] [--host H --key SECRET]
     python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
@@ -22,7 +23,7 @@ import uvloop
 from polar_fast.config import Config, load_config
 from polar_fast.errors import PolarError
 
-COMMANDS = ("train", "serve", "export", "view", "harnesses", "tasks")
+COMMANDS = ("train", "serve", "eval", "export", "view", "harnesses", "tasks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="the training run (default command)")
     serve = sub.add_parser("serve", help="the capture proxy alone, for collecting traces by hand")
     export = sub.add_parser("export", help="test-verified sessions of a run as SFT data")
-    for q in (train, serve):
+    evaluate = sub.add_parser("eval", help="pass@k per harness on a task split, for the base model or a checkpoint")
+    for q in (train, serve, evaluate):
         q.add_argument("--config", type=Path, help="run.toml (defaults apply to anything it leaves out)")
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config value; repeatable")
@@ -42,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--rollouts", action="store_true",
                        help="serve the rollout-service API for external trainers instead of the bare proxy "
                             "([rollout_service] host/port; the proxy runs behind it)")
+    evaluate.add_argument("--checkpoint", default="",
+                          help="a learner checkpoint (step_N.pt or its checkpoints/ dir) or an HF model dir; "
+                               "default: model.path")
+    evaluate.add_argument("--harness", default="", help="comma-separated harnesses (default: eval.harnesses or harness.name)")
+    evaluate.add_argument("--samples", type=int, default=None, help="samples per task (default: eval.samples)")
+    evaluate.add_argument("--k", default="", help="comma-separated k for pass@k (default: eval.k)")
+    evaluate.add_argument("--split", default=None, help="task split (default: eval.split)")
+    evaluate.add_argument("--limit", type=int, default=None, help="tasks of the split (default: eval.limit, 0 = all)")
+    evaluate.add_argument("--out", type=Path, default=None, help="JSON report (default: <run.output_dir>/eval/<split>.json)")
     export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
     export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
     export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
@@ -95,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             return _validate_tasks(cfg, args)
         if args.command == "serve":
             return _serve(cfg, args.host, args.port, rollouts=args.rollouts)
+        if args.command == "eval":
+            return _eval(cfg, args)
         return _train(cfg, resume=args.resume, quiet=args.quiet)
     except PolarError as e:
         print(f"polar_fast: {e}", file=sys.stderr)
@@ -118,6 +131,28 @@ def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
         return 0
     finally:
         distributed.shutdown()
+
+
+def _eval(cfg: Config, args: argparse.Namespace) -> int:
+    from polar_fast.evaluate import EvalError, format_report, run_eval, write_report
+
+    try:
+        ks = [int(k) for k in args.k.split(",")] if args.k else list(cfg.eval.k)
+    except ValueError:
+        raise EvalError(f"--k takes comma-separated integers, got {args.k!r}") from None
+    harnesses = [h for h in args.harness.split(",") if h] or list(cfg.eval.harnesses)
+
+    def info(kind: str, data: dict) -> None:
+        if kind == "info":
+            print(data["message"], file=sys.stderr, flush=True)
+
+    report = uvloop.run(run_eval(
+        cfg, harnesses=harnesses, samples=args.samples or cfg.eval.samples, ks=ks, split=args.split,
+        limit=cfg.eval.limit if args.limit is None else args.limit, checkpoint=args.checkpoint, emit=info))
+    out = write_report(report, args.out or Path(cfg.run.output_dir) / "eval" / f"{report.split}.json")
+    print(format_report(report))
+    print(f"report: {out}")
+    return 0
 
 
 def _serve(cfg: Config, host: str | None, port: int | None, *, rollouts: bool) -> int:

@@ -104,8 +104,11 @@ class HarnessConfig(_Section):
 class TasksConfig(_Section):
     """The task set, in the SWE-bench / SWE-Gym schema."""
 
-    source: str = "builtin"  # "builtin", a .jsonl / .parquet file, or a local HF datasets dir
-    split: str = "train"
+    source: str = "builtin"  # "builtin", "families", a .jsonl / .parquet file, or a local HF datasets dir
+    split: str = "train"  # families: "train" or "heldout"
+    families: list[str] = []  # families: which generated families ([] = all)
+    per_family: int = 16  # families: train tasks per family (seeds 0..n-1)
+    reward: Literal["binary", "partial"] = "binary"  # partial: fraction of FAIL_TO_PASS passing, 0 unless all PASS_TO_PASS pass
     limit: int = 0  # 0 = all
     shuffle_seed: int = 0
     image: str = ""  # template overriding every task's image, e.g. "sweb.eval.x86_64.{instance_id}:latest"
@@ -156,6 +159,18 @@ class LearnerConfig(_Section):
     check_packed: bool = True
 
 
+class EvalConfig(_Section):
+    """Evaluation: `python -m polar_fast eval` and the periodic held-out eval of a training run."""
+
+    split: str = "heldout"  # task split evaluated (tasks.source decides what splits exist)
+    samples: int = 1  # per task; pass@k needs samples >= k
+    k: list[int] = msgspec.field(default_factory=lambda: [1])
+    harnesses: list[str] = []  # [] = harness.name
+    limit: int = 0  # tasks of the split (0 = all)
+    every_steps: int = 0  # training: evaluate after every N steps and at the end (0 = never)
+    at_start: bool = False  # training: also evaluate the starting policy before step 1
+
+
 class RunConfig(_Section):
     """The training run as a whole."""
 
@@ -203,6 +218,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     merge: MergeConfig = MergeConfig()
     learner: LearnerConfig = LearnerConfig()
     rollout_service: RolloutServiceConfig = RolloutServiceConfig()
+    eval: EvalConfig = EvalConfig()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

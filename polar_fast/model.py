@@ -44,14 +44,15 @@ def resolve_model_path(path: str) -> Path:
     return resolved
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where polar_fast caches converted models, task repos and warm starts ($POLAR_CACHE_DIR)."""
     return Path(os.environ.get("POLAR_CACHE_DIR", Path.home() / ".cache" / "polar_fast"))
 
 
 def converted_dir(gguf: Path) -> Path:
     """Where the dequantised HF copy of a GGUF lives; keyed by name, size and mtime."""
     st = gguf.stat()
-    return _cache_root() / "gguf" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
 
 
 def _materialise_gguf(gguf: Path) -> Path:
@@ -83,6 +84,11 @@ def _pretrained_dir(path: Path) -> str:
     if path.is_file() and path.suffix == ".gguf":
         return str(_materialise_gguf(path))
     return str(path)
+
+
+def model_dir(path: str = "") -> Path:
+    """The HF directory the model loads from (a GGUF is converted once, then cached)."""
+    return Path(_pretrained_dir(resolve_model_path(path)))
 
 
 def _offline() -> None:

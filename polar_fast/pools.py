@@ -351,11 +351,13 @@ class Pools:
         if self._group_slots is not None:
             self._group_slots.release()
 
-    def _record(self, job: _Job, outcome: Outcome, *, reward: float | None, n_calls: int = 0, error: str = "") -> RolloutRecord:
+    def _record(self, job: _Job, outcome: Outcome, *, reward: float | None, n_calls: int = 0, error: str = "",
+                causes: dict[str, int] | None = None) -> RolloutRecord:
         return RolloutRecord(
             rollout_id=job.rollout_id, group_id=job.group_id, task_id=job.task.instance_id,
             harness=self.agent.name, outcome=outcome, reward=reward, n_calls=n_calls,
             duration_s=self.clock() - job.started_at, attempt=job.attempt, error=error[-1000:],
+            causes=causes or {},
         )
 
     async def _infra(self, job: _Job, stage: str, error: BaseException | str, done_tx) -> None:
@@ -407,7 +409,8 @@ class Pools:
                     await eval_tx.send((job, result, diff))
                 else:
                     error = "agent timed out" if outcome is Outcome.TIMEOUT else f"agent exited {result.exit_code}"
-                    record = self._record(job, outcome, reward=0.0, n_calls=result.n_calls, error=error)
+                    record = self._record(job, outcome, reward=0.0, n_calls=result.n_calls, error=error,
+                                          causes=result.causes)
                     await done_tx.send(_Final(job=job, record=record))
 
     async def _run_agent(self, job: _Job, box) -> tuple[Outcome | BaseException, AgentResult, str]:
@@ -433,7 +436,7 @@ class Pools:
                 scored = await self._evaluate_with_retries(job, diff)
                 if isinstance(scored, EvalResult):
                     record = self._record(job, Outcome.OK, reward=scored.reward, n_calls=agent_result.n_calls,
-                                          error=scored.error)
+                                          error=scored.error, causes=agent_result.causes)
                     await done_tx.send(_Final(job=job, record=record, diff=diff, eval=scored))
                 else:  # the diff is kept, so only the evaluation is retried, never the agent
                     error = f"eval: {type(scored).__name__}: {scored}"

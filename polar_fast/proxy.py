@@ -91,6 +91,10 @@ class Session:
     last_exchange: tuple[int, list[Message]] = (-1, [])
     n_calls: int = 0
     engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
+    # why calls went wrong, for the zero-reward metrics (records.CALL_CAUSES); counted as they happen
+    causes: dict[str, int] = field(default_factory=dict)
+    # texts the harness puts in its next request when it rejects a reply's format (Harness.format_error_markers)
+    format_error_markers: tuple[str, ...] = ()
     # per dialect: decodes only what a request adds to the conversation it resends
     parsers: dict[str, IncrementalParser] = field(default_factory=dict)
 
@@ -99,6 +103,9 @@ class Session:
         if parser is None:
             parser = self.parsers[dialect.NAME] = IncrementalParser(dialect)
         return parser.parse(body)
+
+    def count(self, cause: str) -> None:
+        self.causes[cause] = self.causes.get(cause, 0) + 1
 
     def records(self) -> list[CallRecord]:
         """Its call records, each with its whole prompt."""
@@ -124,11 +131,13 @@ class ProxyState:
     # sessions already running. None: the loop's default executor.
     render_pool: ThreadPoolExecutor | None = None
 
-    def new_session(self, rollout_id: str = "", group_id: str = "") -> Session:
+    def new_session(self, rollout_id: str = "", group_id: str = "", *,
+                    format_error_markers: tuple[str, ...] = ()) -> Session:
         token = "pf-" + secrets.token_hex(16)
         session_id = secrets.token_hex(8)
         history = History(self.renderer, self.cfg.proxy.history, max_calls=self.cfg.proxy.history_max_calls)
-        session = Session(token, session_id, rollout_id or session_id, group_id, history)
+        session = Session(token, session_id, rollout_id or session_id, group_id, history,
+                          format_error_markers=format_error_markers)
         self.sessions[token] = session
         return session
 
@@ -293,6 +302,23 @@ _ids = random.Random(secrets.randbits(128))
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
+def _count_format_errors(session: Session, conv: Conversation) -> None:
+    """A harness that rejects a reply says so in the messages it adds after that reply."""
+    if not session.format_error_markers or not session.n_calls:
+        return
+    new = conv.messages[len(session.last_exchange[1]) + 1:]  # after the resent request and our reply
+    if any(marker in (m.content or "") for m in new for marker in session.format_error_markers):
+        session.count("format_error")
+
+
+def _count_reply_causes(session: Session, conv: Conversation, content: str, calls, finish_reason: str) -> None:
+    if finish_reason == "length":
+        session.count("truncated")
+    if conv.tools and not calls:
+        # the parsers hand malformed calls back whole as content
+        session.count("tool_parse_failure" if "<tool_call>" in content else "no_tool_call")
+
+
 def _reply_id() -> str:
     return f"{_ids.getrandbits(96):024x}"
 
@@ -346,6 +372,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     state = request.app[STATE]
     session = _session(request)
     conv = session.parse(dialect, await _body(request))
+    _count_format_errors(session, conv)
     if state.cfg.engine.render == "engine":
         prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
         temperature = _sampling(state, conv, 0).temperature
@@ -353,13 +380,19 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         t1 = t2 = time.perf_counter()
     else:
         prompt = await _prompt(state, session.history, conv)
-        sampling = _sampling(state, conv, len(prompt.ids))
+        try:
+            sampling = _sampling(state, conv, len(prompt.ids))
+        except DialectError as e:
+            if e.kind == "context_length":
+                session.count("context_length")
+            raise
         temperature = sampling.temperature
         t1 = time.perf_counter()
         gen, version = await _generate(state, session, prompt.ids, sampling)
         t2 = time.perf_counter()
         content, reasoning, calls = state.renderer.parse(gen.token_ids, conv.tools, lambda: _call_id(dialect))
         finish = "tool_calls" if calls else gen.finish_reason
+        _count_reply_causes(session, conv, content, calls, gen.finish_reason)
         completion = Completion(
             content=content,
             reasoning=reasoning,
@@ -553,8 +586,9 @@ class Proxy:
     def admin_key(self) -> str:
         return self.state.cfg.proxy.admin_key
 
-    def new_session(self, rollout_id: str = "", group_id: str = "") -> Session:
-        return self.state.new_session(rollout_id, group_id)
+    def new_session(self, rollout_id: str = "", group_id: str = "", *,
+                    format_error_markers: tuple[str, ...] = ()) -> Session:
+        return self.state.new_session(rollout_id, group_id, format_error_markers=format_error_markers)
 
     def close_session(self, token: str) -> Session | None:
         """End a session: its later requests get 401. Returns it, or None if it was not open."""

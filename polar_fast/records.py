@@ -99,6 +99,15 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
             )
 
 
+# What the proxy counts per session, the causes of a zero reward a metric can name:
+#   tool_parse_failure  a reply that tried a tool call the parser could not read
+#   no_tool_call        a reply with no tool call although the harness offered tools
+#   format_error        the harness rejected a reply's format (it says so in its next request)
+#   context_length      a prompt that did not fit the model's context
+#   truncated           a reply cut at max_tokens (finish_reason "length")
+CALL_CAUSES = ("tool_parse_failure", "no_tool_call", "format_error", "context_length", "truncated")
+
+
 class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     """One finished rollout (one harness run on one task) and its reward."""
 
@@ -112,6 +121,8 @@ class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     duration_s: float = 0.0
     attempt: int = 0  # retries after infra errors
     error: str = ""  # short reason for anything but `ok`
+    causes: dict[str, int] = {}  # CALL_CAUSES counted over its calls (why a reward may be 0)
+    purpose: str = "train"  # "eval": an evaluation sample (evaluate.py), never trained on
 
 
 class ExchangeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="exchange"):

@@ -124,7 +124,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     tc = cfg.tasks
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
-                                    image=tc.image)
+                                    image=tc.image, families=tc.families or None, per_family=tc.per_family)
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
         await asyncio.to_thread(check_images, tasks)
     emit("info", {"message": "loading the model for the learner"})

@@ -73,3 +73,52 @@ class ScriptedEngine:
 
     async def aclose(self) -> None:
         pass
+
+
+ENGINE_DOWN = "<engine down>"  # a PlaybookEngine reply that fails the call, as an engine outage would
+
+
+class PlaybookEngine:
+    """Scripted choices per task, for runs where many sessions share one engine (eval, warm-start
+    demonstrations): a session's first prompt is decoded and matched against the plays' keys
+    (e.g. each task's statement), and the session then gets that play's replies in order. A play
+    is a list of alternatives; the n-th session of a play gets alternative n (cyclic), so a task
+    run k times gets a known mix of good and bad samples whatever order the sessions start in.
+    The reply ENGINE_DOWN raises EngineUnavailable on every call of its session."""
+
+    def __init__(self, plays: dict[str, list[list[str]]], tokenizer) -> None:
+        self.policy_version = 0
+        self._tokenizer = tokenizer
+        self._plays = {key: [[ScriptedEngine._to_ids(r, tokenizer) if r != ENGINE_DOWN else r for r in alt]
+                             for alt in alts] for key, alts in plays.items()}
+        self._started: dict[str, int] = dict.fromkeys(plays, 0)
+        self._sessions: dict[str, tuple[list, int]] = {}  # session id -> (replies, next index)
+
+    def _start(self, prompt_ids: Sequence[int]) -> list:
+        text = self._tokenizer.decode(list(prompt_ids))
+        for key, alternatives in self._plays.items():
+            if key in text:
+                n = self._started[key]
+                self._started[key] += 1
+                return alternatives[n % len(alternatives)]
+        raise EngineUnavailable("playbook engine: the prompt matches no play")
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = "") -> Generation:
+        replies, i = self._sessions.get(session_id) or (self._start(prompt_ids), 0)
+        if i >= len(replies):
+            raise EngineUnavailable(f"playbook engine: session {session_id} has no reply left")
+        reply = replies[i]
+        if reply == ENGINE_DOWN:
+            self._sessions[session_id] = (replies, i)
+            raise EngineUnavailable("playbook engine: engine down (scripted)")
+        self._sessions[session_id] = (replies, i + 1)
+        ids, finish = list(reply), "stop"
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        return Generation(token_ids=ids, logprobs=[-0.01 * (j + 1) for j in range(len(ids))], finish_reason=finish)
+
+    async def update_weights(self, named_tensors: Iterable | None, *, version: int) -> None:
+        self.policy_version = version
+
+    async def aclose(self) -> None:
+        pass

@@ -46,6 +46,7 @@ class AgentResult(msgspec.Struct, frozen=True, kw_only=True):
     timed_out: bool = False
     n_calls: int = 0  # model calls the proxy captured for this rollout
     infra_error: str = ""  # set when the agent could not run for reasons outside it (engine down)
+    causes: dict[str, int] = {}  # records.CALL_CAUSES the proxy counted over its calls
     output_tail: str = ""
 
 
@@ -105,7 +106,8 @@ class HarnessAgent:
         return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount], proxy_port=port)
 
     async def run(self, box, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
-        session = self.proxy.new_session(rollout_id, group_id)
+        session = self.proxy.new_session(rollout_id, group_id,
+                                         format_error_markers=getattr(self.harness, "format_error_markers", ()))
         try:
             cmd = self.harness.command(
                 prompt=task.problem_statement, proxy_url=f"{box.proxy_url}/s/{session.token}",
@@ -127,4 +129,4 @@ class HarnessAgent:
             # instead of scoring it 0
             infra = f"the engine failed {session.engine_failures} of this rollout's model calls"
         return AgentResult(exit_code=result.exit_code, timed_out=result.timed_out, n_calls=session.n_calls,
-                           infra_error=infra, output_tail=output)
+                           infra_error=infra, output_tail=output, causes=dict(session.causes))

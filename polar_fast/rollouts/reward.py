@@ -64,13 +64,21 @@ def parse_test_output(text: str) -> dict[str, str]:
     return statuses
 
 
-def score(task: Task, statuses: dict[str, str]) -> tuple[float, list[str]]:
-    """Reward 1 iff every listed test passed; also the listed tests that did not."""
+def score(task: Task, statuses: dict[str, str], mode: str = "binary") -> tuple[float, list[str]]:
+    """The reward and the listed tests that did not pass. "binary": 1 iff every listed test
+    passed. "partial": the fraction of FAIL_TO_PASS tests passing, but 0 unless every
+    PASS_TO_PASS test passes, so breaking the repo or doing nothing scores 0."""
     failed = [t for t in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS] if statuses.get(t) != PASSED]
-    return (0.0 if failed else 1.0), failed
+    if mode == "binary":
+        return (0.0 if failed else 1.0), failed
+    if mode != "partial":
+        raise ValueError(f"unknown reward mode {mode!r} (binary or partial)")
+    if any(t in failed for t in task.PASS_TO_PASS):
+        return 0.0, failed
+    return sum(1 for t in task.FAIL_TO_PASS if t not in failed) / len(task.FAIL_TO_PASS), failed
 
 
-async def evaluate(box, task: Task, diff: str, *, timeout_s: float = 1800.0) -> EvalResult:
+async def evaluate(box, task: Task, diff: str, *, timeout_s: float = 1800.0, mode: str = "binary") -> EvalResult:
     """Apply `diff` and the test patch in `box` (fresh, from the task's image) and score it."""
     await prepare_repo(box, task)
     diff_path, test_patch_path = f"{box.home}/agent.diff", f"{box.home}/test.patch"  # private per box
@@ -93,7 +101,7 @@ async def evaluate(box, task: Task, diff: str, *, timeout_s: float = 1800.0) -> 
         return _unscored(task, f"test patch did not apply on top of the agent's diff: {applied.stderr.strip()[-500:]}")
     run = await box.exec(["sh", "-c", task.shell_test_command()], timeout_s=timeout_s)
     statuses = parse_log(task.log_parser, run.stdout + "\n" + run.stderr)
-    reward, failed = score(task, statuses)
+    reward, failed = score(task, statuses, mode)
     return EvalResult(
         reward=reward,
         tests=statuses,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import secrets
 import tempfile
@@ -31,6 +32,7 @@ from polar_fast.proxy import Proxy
 from polar_fast.records import RecordLog
 from polar_fast.rollouts.agent import HarnessAgent
 from polar_fast.rollouts.harnesses import ModelLimits
+from polar_fast.rollouts.reward import evaluate
 
 SOCKET_DIR_PREFIX = "polar-proxy-"
 
@@ -72,16 +74,25 @@ class Rollouts:
     run_id: str
     leftovers_removed: int  # sandboxes of an earlier, killed process on this run id
 
-    def pools(self, **options: Any) -> Pools:
-        """options: Pools' keywords (max_groups_in_flight, partial_group_after_s, on_late)."""
-        return Pools(self.cfg.pools, self.factory, self.agent, agent_timeout_s=self.cfg.harness.timeout_s, **options)
+    def pools(self, *, group_size: int | None = None, **options: Any) -> Pools:
+        """group_size: per group (evaluation samples); options: Pools' keywords
+        (max_groups_in_flight, partial_group_after_s, on_late)."""
+        cfg = self.cfg.pools if group_size is None else msgspec.structs.replace(self.cfg.pools, group_size=group_size)
+        mode = self.cfg.tasks.reward
+        score = evaluate if mode == "binary" else functools.partial(evaluate, mode=mode)
+        return Pools(cfg, self.factory, self.agent, agent_timeout_s=self.cfg.harness.timeout_s, score=score, **options)
 
 
 @asynccontextmanager
-async def open_rollouts(cfg: Config, run_dir: Path, *,
-                        emit: Callable[[str, dict], None] | None = None) -> AsyncIterator[Rollouts]:
+async def open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dict], None] | None = None,
+                        engine: Engine | None = None) -> AsyncIterator[Rollouts]:
     """Everything a rollout needs, for the life of the block; records go to run_dir/records.log.
-    A vllm engine with no url gets a `vllm serve` started first and stopped last."""
+    A vllm engine with no url gets a `vllm serve` started first and stopped last. `engine`
+    replaces the configured one (tests, evaluation with a scripted policy); it is closed here."""
+    if engine is not None:
+        async with _open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+            yield rollouts
+        return
     from polar_fast.engines.vllm_launch import launched_vllm
 
     async with launched_vllm(cfg, run_dir, emit=emit) as cfg, _open_rollouts(cfg, run_dir, emit=emit) as rollouts:
@@ -89,8 +100,8 @@ async def open_rollouts(cfg: Config, run_dir: Path, *,
 
 
 @asynccontextmanager
-async def _open_rollouts(cfg: Config, run_dir: Path, *,
-                         emit: Callable[[str, dict], None] | None = None) -> AsyncIterator[Rollouts]:
+async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dict], None] | None = None,
+                         engine: Engine | None = None) -> AsyncIterator[Rollouts]:
     from polar_fast.engines import build_engine
     from polar_fast.proxy import open_proxy
     from polar_fast.rollouts.harnesses import default_bundle_root, get_harness
@@ -101,8 +112,9 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *,
     bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
     emit("info", {"message": f"installing harness {harness.name} (cached after the first run)"})
     bundle = await asyncio.to_thread(harness.install, bundle_root)
-    emit("info", {"message": f"loading the model for the {cfg.engine.kind} engine"})
-    engine = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
+    if engine is None:
+        emit("info", {"message": f"loading the model for the {cfg.engine.kind} engine"})
+        engine = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
     try:
         run_id = await asyncio.to_thread(run_id_for, run_dir)  # resolve() reads the file system
         # importing a backend reads package metadata (aiodocker): do it off the loop

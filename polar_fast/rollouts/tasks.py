@@ -101,11 +101,16 @@ def patch_files(patch: str) -> list[str]:
 
 
 def load_tasks(source: str, *, split: str = "train", limit: int = 0, shuffle_seed: int = 0,
-               image: str = "") -> list[Task]:
-    """Tasks from "builtin", a .jsonl / .parquet file, or a local HF datasets directory.
+               image: str = "", families: list[str] | None = None, per_family: int = 16) -> list[Task]:
+    """Tasks from "builtin", "families" (generated, rollouts/families.py; split train or heldout),
+    a .jsonl / .parquet file, or a local HF datasets directory.
     `image`: a template that overrides every task's image (see task_images.py)."""
     if source == "builtin":
         tasks = load_builtin()
+    elif source == "families":
+        from polar_fast.rollouts.families import family_tasks
+
+        tasks = family_tasks(split, families=families, per_family=per_family)
     else:
         tasks = list(_validate(_rows(source, split), source, image=image))
     if not tasks:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import msgspec
 
-from polar_fast.rollouts.harnesses.bundles import BundleError, default_bundle_root
+from polar_fast.rollouts.harnesses.bundles import MANIFEST, BundleError, default_bundle_root
 
 
 class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +64,14 @@ def _build() -> dict[str, Harness]:
 HARNESSES: dict[str, Harness] = _build()
 
 
+def bundle_manifest(bundle: Path) -> dict:
+    """What a built bundle holds (its pinned packages), as written when it was built."""
+    import json
+
+    path = Path(bundle) / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {"bundle": Path(bundle).name}
+
+
 def get_harness(name: str) -> Harness:
     try:
         return HARNESSES[name]
@@ -72,4 +80,5 @@ def get_harness(name: str) -> Harness:
         raise ValueError(f"unknown harness {name!r}; known harnesses: {known}") from None
 
 
-__all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "ModelLimits", "default_bundle_root", "get_harness"]
+__all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "ModelLimits", "bundle_manifest",
+           "default_bundle_root", "get_harness"]

@@ -39,6 +39,8 @@ runpy.run_module("minisweagent.run.mini", run_name="__main__", alter_sys=True)
 
 class MiniSweAgent:
     name = "mini-swe-agent"
+    # mini.yaml's format_error_template, which it sends back after a reply it cannot use
+    format_error_markers = ("Tool call error:", "reached the output token limit")
 
     def install(self, bundle_root: Path) -> Path:
         def build(tmp: Path) -> None:

@@ -1,0 +1,293 @@
+"""Evaluation: pass@k per harness on a task split, for the base model or a checkpoint.
+
+    report = await run_eval(cfg, harnesses=["mini-swe-agent", "pi"], samples=4, ks=[1, 2])
+    print(format_report(report))
+
+Each task is run `samples` times per harness through the same stack as training (pools, real
+harness CLI, capture proxy, engine), sampling as the run's `[sampling]` says. pass@k is the
+unbiased estimator of Chen et al. (2021) from n scored samples with c passing:
+1 - C(n-c, k) / C(n, k). A sample that ended in an infrastructure failure (sandbox, engine down)
+is never scored: it is counted apart, and a task left with fewer than k scored samples has no
+pass@k (it is counted as `short`), so a flaky machine never reads as a weak model. A harness's
+pass@k is the mean over its tasks that have one. Several harnesses give the checkpoint x harness
+matrix: train on one harness, evaluate on all of them.
+
+The evaluation's rollouts go to the record log like training ones, marked `purpose = "eval"`;
+their calls are never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import msgspec
+
+from polar_fast.config import Config
+from polar_fast.errors import PolarError
+from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
+from polar_fast.rollouts.tasks import Task, load_tasks
+
+
+class EvalError(PolarError):
+    """The evaluation cannot run as asked (bad k, unknown harness, no tasks, bad checkpoint)."""
+
+
+class TaskScore(msgspec.Struct, frozen=True, kw_only=True):
+    task_id: str
+    scored: int  # samples with a reward (infra failures excluded)
+    passed: int  # scored samples with reward 1
+    infra_failures: int
+    pass_at: dict[str, float | None]  # "k" -> pass@k, None when scored < k
+
+
+class HarnessScore(msgspec.Struct, frozen=True, kw_only=True):
+    harness: str
+    tasks: int
+    samples: int  # rollouts run, all outcomes
+    pass_at: dict[str, float | None]  # "k" -> mean over tasks with >= k scored samples
+    short: dict[str, int]  # "k" -> tasks with fewer than k scored samples (left out of pass@k)
+    outcomes: dict[str, int]  # Outcome value -> count
+    causes: dict[str, int]  # records.CALL_CAUSES summed over the rollouts
+    mean_reward: float | None
+    per_task: list[TaskScore]
+
+
+class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
+    split: str
+    samples: int
+    ks: list[int]
+    sampling: dict  # the run's [sampling], which every sample used
+    model: str  # model path, or the checkpoint evaluated
+    harnesses: list[HarnessScore]
+    provenance: dict
+    duration_s: float
+
+
+def pass_at_k(n: int, c: int, k: int) -> float | None:
+    """Unbiased pass@k from n samples with c correct; None when n < k (not enough samples)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if n < k:
+        return None
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def score_harness(harness: str, rollouts: Sequence[RolloutRecord], ks: Sequence[int],
+                  task_ids: Sequence[str] | None = None) -> HarnessScore:
+    """pass@k of one harness's rollouts (all samples of all tasks)."""
+    by_task: dict[str, list[RolloutRecord]] = {t: [] for t in task_ids or ()}
+    for r in rollouts:
+        by_task.setdefault(r.task_id, []).append(r)
+    per_task = []
+    for task_id, rs in by_task.items():
+        scored = [r for r in rs if r.outcome is not Outcome.INFRA_ERROR and r.reward is not None]
+        passed = sum(1 for r in scored if r.reward >= 1.0)
+        per_task.append(TaskScore(task_id=task_id, scored=len(scored), passed=passed,
+                                  infra_failures=len(rs) - len(scored),
+                                  pass_at={str(k): pass_at_k(len(scored), passed, k) for k in ks}))
+    pass_at, short = {}, {}
+    for k in ks:
+        values = [t.pass_at[str(k)] for t in per_task if t.pass_at[str(k)] is not None]
+        pass_at[str(k)] = sum(values) / len(values) if values else None
+        short[str(k)] = len(per_task) - len(values)
+    outcomes = {o.value: 0 for o in Outcome}
+    causes = dict.fromkeys(CALL_CAUSES, 0)
+    for r in rollouts:
+        outcomes[r.outcome.value] += 1
+        for cause, n in r.causes.items():
+            causes[cause] = causes.get(cause, 0) + n
+    rewards = [r.reward for r in rollouts if r.reward is not None]
+    return HarnessScore(harness=harness, tasks=len(per_task), samples=len(rollouts), pass_at=pass_at, short=short,
+                        outcomes=outcomes, causes=causes,
+                        mean_reward=sum(rewards) / len(rewards) if rewards else None, per_task=per_task)
+
+
+async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *,
+                         on_group: Callable[[list[RolloutRecord]], None] | None = None) -> list[RolloutRecord]:
+    """Run every task `samples` times on an open rollout stack (rollouts/stack.py); returns the
+    rollout records, each written to the record log with purpose "eval". Their calls are taken
+    from the agent and dropped: evaluation never feeds the learner."""
+    out: list[RolloutRecord] = []
+
+    async def done(group) -> None:
+        rollouts.agent.take_calls([r.rollout_id for r in group.rollouts], group.group_id)
+        records = [msgspec.structs.replace(r, purpose="eval") for r in group.rollouts]
+        await rollouts.proxy.record(*records)
+        out.extend(records)
+        if on_group:
+            on_group(records)
+
+    from polar_fast.pools import GroupSpec
+
+    stamp = f"eval{int(time.time() * 1000) % 10**8}"
+    specs = [GroupSpec(task=t, group_id=f"{stamp}-{t.instance_id}", group_size=samples) for t in tasks]
+    await rollouts.pools(group_size=samples).run(specs, done)
+    return out
+
+
+def eval_tasks(cfg: Config, split: str, limit: int) -> list[Task]:
+    tc = cfg.tasks
+    return load_tasks(tc.source, split=split, limit=limit, image=tc.image, families=tc.families or None,
+                      per_family=tc.per_family)
+
+
+async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int = 1, ks: Sequence[int] = (1,),
+                   split: str | None = None, limit: int = 0, checkpoint: str = "", run_dir: Path | None = None,
+                   engine_for: Callable[[Config], object] | None = None,
+                   emit: Callable[[str, dict], None] | None = None) -> EvalReport:
+    """pass@k of the base model (or `checkpoint`) for each harness; see the module docstring.
+    `engine_for(cfg)` replaces the configured engine (tests: a scripted one)."""
+    from polar_fast.rollouts.harnesses import HARNESSES
+    from polar_fast.rollouts.stack import open_rollouts
+
+    emit = emit or (lambda kind, data: None)
+    ks = sorted(set(ks))
+    if not ks or ks[0] < 1:
+        raise EvalError(f"k must be a list of integers >= 1, got {list(ks)}")
+    if samples < 1:
+        raise EvalError(f"samples must be >= 1, got {samples}")
+    names = list(harnesses) or [cfg.harness.name]
+    unknown = [h for h in names if h not in HARNESSES]
+    if unknown:
+        raise EvalError(f"unknown harness {', '.join(unknown)}; known: {', '.join(sorted(HARNESSES))}")
+    if max(ks) > samples:
+        emit("info", {"message": f"pass@{max(ks)} needs >= {max(ks)} samples per task; --samples is {samples}"})
+    split = split or cfg.eval.split
+    tasks = await asyncio.to_thread(eval_tasks, cfg, split, limit)
+    model_path = cfg.model.path
+    if checkpoint:
+        model_path = await asyncio.to_thread(checkpoint_model_dir, checkpoint, cfg.model.path)
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_path)))
+    run_dir = Path(run_dir or Path(cfg.run.output_dir) / "eval")
+    started = time.perf_counter()
+    scores = []
+    for name in names:
+        hcfg = msgspec.structs.replace(cfg, harness=msgspec.structs.replace(cfg.harness, name=name))
+        emit("info", {"message": f"evaluating {name}: {len(tasks)} tasks x {samples} samples ({split})"})
+        hdir = run_dir / name
+        await asyncio.to_thread(hdir.mkdir, parents=True, exist_ok=True)
+        engine = engine_for(hcfg) if engine_for else None
+        async with open_rollouts(hcfg, hdir, emit=emit, engine=engine) as stack:
+            records = await evaluate_tasks(stack, tasks, samples)
+        scores.append(score_harness(name, records, ks, [t.instance_id for t in tasks]))
+    provenance = await asyncio.to_thread(collect_provenance, cfg, names)
+    return EvalReport(split=split, samples=samples, ks=ks, sampling=msgspec.structs.asdict(cfg.sampling),
+                      model=checkpoint or str(model_path) or cfg.model.name, harnesses=scores,
+                      provenance=provenance, duration_s=time.perf_counter() - started)
+
+
+def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
+    """An HF model directory for `checkpoint`: itself when it is one (config.json, as `sft`
+    writes), else a learner checkpoint `step_N.pt` (or its directory's latest) converted once
+    beside it into `<name>.hf/`."""
+    path = Path(checkpoint)
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        from polar_fast.learner.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise EvalError(f"checkpoint {checkpoint}: neither a model directory (config.json) nor a "
+                            "checkpoints directory with a `latest` file")
+        path = latest
+    if not path.is_file():
+        raise EvalError(f"checkpoint {checkpoint} does not exist")
+    out = path.with_name(path.name + ".hf")
+    if (out / "config.json").is_file() and (out / "config.json").stat().st_mtime >= path.stat().st_mtime:
+        return out
+    import torch
+
+    from polar_fast.model import load_model, load_tokenizer
+
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        model = load_model(base_path, dtype="float32", device="cpu")
+        model.load_state_dict(payload["model"])
+    except (KeyError, RuntimeError, OSError, EOFError) as e:
+        raise EvalError(f"checkpoint {path}: cannot load it into model {base_path or 'default'}: {e}") from None
+    model.save_pretrained(out)
+    load_tokenizer(base_path).save_pretrained(out)
+    return out
+
+
+def collect_provenance(cfg: Config, harnesses: Sequence[str]) -> dict:
+    """What a reader needs to reproduce a number: code, harness and model versions."""
+    from polar_fast.model import model_dir as resolve_model_dir
+    from polar_fast.rollouts.harnesses import bundle_manifest, default_bundle_root, get_harness
+
+    root = Path(__file__).resolve().parent.parent
+    commit = _git(root, "rev-parse", "HEAD")
+    dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no")) if commit else False
+    bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
+    versions = {}
+    for name in harnesses:
+        versions[name] = bundle_manifest(get_harness(name).install(bundle_root))  # cached: finds the bundle
+    model_dir = resolve_model_dir(cfg.model.path)
+    return {
+        "git_commit": commit, "git_dirty": dirty, "harnesses": versions,
+        "model": str(model_dir), "model_sha256": _hash_files(sorted(model_dir.glob("*.safetensors"))),
+        "tokenizer_sha256": _hash_files([p for p in (model_dir / "tokenizer.json",) if p.exists()]),
+        "engine": cfg.engine.kind, "tasks": {"source": cfg.tasks.source, "reward": cfg.tasks.reward},
+    }
+
+
+def _git(root: Path, *args: str) -> str:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _hash_files(paths: list[Path]) -> str:
+    if not paths:
+        return ""
+    h = hashlib.sha256()
+    for p in paths:
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def format_report(report: EvalReport) -> str:
+    s = report.sampling
+    lines = [f"eval: {report.split} split, {report.samples} samples per task, model {report.model}",
+             f"sampling (the run's [sampling]): temperature {s['temperature']}, top_p {s['top_p']}, "
+             f"max_tokens {s['max_tokens']}, seed {s['seed']}"]
+    ks = report.ks
+    header = f"{'harness':<16}{'tasks':>6}{'samples':>8}" + "".join(f"{'pass@' + str(k):>9}" for k in ks) + \
+        f"{'ok':>5}{'agent_err':>10}{'timeout':>8}{'infra':>6}"
+    lines += [header, "-" * len(header)]
+    for h in report.harnesses:
+        cells = "".join(f"{_pct(h.pass_at[str(k)]):>9}" for k in ks)
+        o = h.outcomes
+        lines.append(f"{h.harness:<16}{h.tasks:>6}{h.samples:>8}{cells}{o['ok']:>5}{o['agent_error']:>10}"
+                     f"{o['timeout']:>8}{o['infra_error']:>6}")
+    for h in report.harnesses:
+        short = [f"pass@{k}: {h.short[str(k)]} tasks with fewer than {k} scored samples, left out"
+                 for k in ks if h.short[str(k)]]
+        causes = ", ".join(f"{c} {n}" for c, n in h.causes.items() if n)
+        if short or causes:
+            lines.append(f"{h.harness}: " + "; ".join(short + ([f"causes: {causes}"] if causes else [])))
+    lines.append("infrastructure failures are counted apart and never scored")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "n<k" if value is None else f"{100 * value:.1f}"
+
+
+def write_report(report: EvalReport, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    return path
