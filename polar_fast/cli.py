@@ -6,6 +6,7 @@
     python -m polar_fast eval --config run.toml [--checkpoint PATH] [--harness a,b] [--samples N] [--k 1,5]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
     python -m polar_fast view --run runs/default [--port P] [--host H --key SECRET]
+    python -m polar_fast sft --config run.toml --data sft/ [--out DIR] [--epochs N] [--lr X]
     python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
     python -m polar_fast tasks validate SOURCE [--config run.toml] [--split S] [--limit N] [--json PATH]
 
@@ -23,7 +24,7 @@ import uvloop
 from polar_fast.config import Config, load_config
 from polar_fast.errors import PolarError
 
-COMMANDS = ("train", "serve", "eval", "export", "view", "harnesses", "tasks")
+COMMANDS = ("train", "serve", "eval", "export", "sft", "view", "harnesses", "tasks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the capture proxy alone, for collecting traces by hand")
     export = sub.add_parser("export", help="test-verified sessions of a run as SFT data")
     evaluate = sub.add_parser("eval", help="pass@k per harness on a task split, for the base model or a checkpoint")
-    for q in (train, serve, evaluate):
+    sft = sub.add_parser("sft", help="fine-tune the model on token rows written by export")
+    for q in (train, serve, evaluate, sft):
         q.add_argument("--config", type=Path, help="run.toml (defaults apply to anything it leaves out)")
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config value; repeatable")
@@ -53,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default=None, help="task split (default: eval.split)")
     evaluate.add_argument("--limit", type=int, default=None, help="tasks of the split (default: eval.limit, 0 = all)")
     evaluate.add_argument("--out", type=Path, default=None, help="JSON report (default: <run.output_dir>/eval/<split>.json)")
+    sft.add_argument("--data", type=Path, required=True, help="export's output dir (tokens.jsonl) or a .jsonl file")
+    sft.add_argument("--out", type=Path, default=None, help="model directory to write (default: <run.output_dir>/sft)")
+    sft.add_argument("--epochs", type=int, default=None, help="default: sft.epochs")
+    sft.add_argument("--lr", type=float, default=None, help="default: sft.lr")
     export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
     export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
     export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
@@ -108,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(cfg, args.host, args.port, rollouts=args.rollouts)
         if args.command == "eval":
             return _eval(cfg, args)
+        if args.command == "sft":
+            from polar_fast.learner.sft import run_sft
+
+            report = run_sft(cfg, args.data, out_dir=args.out or Path(cfg.run.output_dir) / "sft",
+                             epochs=args.epochs, lr=args.lr,
+                             emit=lambda kind, data: print(data["message"], file=sys.stderr, flush=True))
+            print(f"sft: {report.rows} rows, {report.trained_tokens} trained tokens, {report.steps} steps in "
+                  f"{report.duration_s:.0f} s; nll {report.nll_before:.4f} -> {report.nll_after:.4f}; "
+                  f"model: {report.model_dir}")
+            return 0
         return _train(cfg, resume=args.resume, quiet=args.quiet)
     except PolarError as e:
         print(f"polar_fast: {e}", file=sys.stderr)

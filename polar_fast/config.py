@@ -171,6 +171,15 @@ class EvalConfig(_Section):
     at_start: bool = False  # training: also evaluate the starting policy before step 1
 
 
+class SftConfig(_Section):
+    """`python -m polar_fast sft`: fine-tuning on exported token rows."""
+
+    epochs: int = 2
+    lr: float = 5e-5
+    rows_per_step: int = 2  # token rows per optimizer step
+    seed: int = 0  # row order
+
+
 class RunConfig(_Section):
     """The training run as a whole."""
 
@@ -219,6 +228,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     learner: LearnerConfig = LearnerConfig()
     rollout_service: RolloutServiceConfig = RolloutServiceConfig()
     eval: EvalConfig = EvalConfig()
+    sft: SftConfig = SftConfig()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -153,6 +153,35 @@ def build_step_batch(
                      reward_mean=float(np.mean(scored)) if scored else math.nan)
 
 
+def nll_step_batch(rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> StepBatch:
+    """Supervised fine-tuning on token rows (input_ids, loss_mask), as `export` writes them: each
+    row one sequence, every masked token one term, all terms weighted the same (token mean).
+    Train it with `Learner.train_step(batch, objective="nll")`."""
+    from polar_fast.merge.arrays import MicroBatch
+
+    mbs, terms = [], []
+    for ids, mask in rows:
+        n = len(ids)
+        if len(mask) != n:
+            raise ValueError(f"a token row has {n} input_ids but {len(mask)} loss_mask entries")
+        m = np.asarray(mask, np.uint8)
+        mb = MicroBatch(
+            tokens=np.asarray(ids, np.int32), positions=np.arange(n, dtype=np.int32),
+            parent=np.arange(-1, n - 1, dtype=np.int32), size=np.arange(n, 0, -1, dtype=np.int32),
+            loss_mask=m, logprobs=np.zeros(n, np.float32), versions=np.where(m == 1, 0, -1).astype(np.int32),
+            rollout=np.zeros(n, np.int32), node=np.arange(n, dtype=np.int32), offsets=np.array([0, n], np.int32),
+            extra_index=np.zeros(0, np.int32), extra_rollout=np.zeros(0, np.int32),
+            extra_logprob=np.zeros(0, np.float32), extra_version=np.zeros(0, np.int32),
+        )
+        mbs.append(mb)
+        terms.append(loss_terms(mb))
+    total = sum(len(t.position) for t in terms)
+    weights = [np.full(len(t.position), 1.0 / total if total else 0.0) for t in terms]
+    return StepBatch(mbs, terms, [np.ones(len(t.position), np.float32) for t in terms], weights,
+                     [np.full(len(t.position), i, np.int64) for i, t in enumerate(terms)],
+                     n_rollouts=len(rows), reward_mean=math.nan)
+
+
 def _split_weights(mode: str, keys_r: list[np.ndarray], keys_s: list[np.ndarray]) -> list[np.ndarray]:
     """Aggregation weights over the whole step, cut back into per-micro-batch pieces."""
     if not keys_r:
@@ -271,8 +300,11 @@ class Learner:
     def step(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]) -> StepMetrics:
         return self.train_step(self.prepare(calls, rollouts))
 
-    def train_step(self, batch: StepBatch) -> StepMetrics:
-        """Forward/backward every micro-batch this rank owns, then one clipped AdamW step."""
+    def train_step(self, batch: StepBatch, *, objective: str = "grpo") -> StepMetrics:
+        """Forward/backward every micro-batch this rank owns, then one clipped AdamW step.
+        objective "nll": supervised fine-tuning (nll_step_batch): minus the logprob per term."""
+        if objective not in ("grpo", "nll"):
+            raise ValueError(f"objective must be grpo or nll, got {objective!r}")
         started = time.perf_counter()
         self.policy.train()
         n = len(batch.micro_batches)
@@ -283,7 +315,7 @@ class Learner:
             i, scale = (mine[j], 1.0) if j < len(mine) else (0, 0.0)  # zero-weight filler pass
             if hasattr(self.policy, "set_requires_gradient_sync"):
                 self.policy.set_requires_gradient_sync(j == n_local - 1)
-            sums += self._micro_step(batch, i, scale)
+            sums += self._micro_step(batch, i, scale, objective)
         if self.world > 1:
             dist.all_reduce(sums)
         grad_norm = self._clip_and_step() if n else 0.0
@@ -297,7 +329,17 @@ class Learner:
             n_micro_batches=n, time_s=time.perf_counter() - started,
         )
 
-    def _micro_step(self, batch: StepBatch, i: int, scale: float) -> torch.Tensor:
+    def nll(self, batch: StepBatch) -> float:
+        """The token-mean negative log-likelihood of an nll_step_batch, without training."""
+        total = 0.0
+        self.policy.eval()
+        with torch.no_grad():
+            for mb, terms, weight in zip(batch.micro_batches, batch.terms, batch.weights):
+                logp = self.policy(**batch_tensors(mb, terms, self.device), chunk_tokens=self.cfg.logprob_chunk_tokens)
+                total += float(-(logp.double().cpu() * torch.from_numpy(weight)).sum())
+        return total
+
+    def _micro_step(self, batch: StepBatch, i: int, scale: float, objective: str = "grpo") -> torch.Tensor:
         terms = batch.terms[i]
         inputs = batch_tensors(batch.micro_batches[i], terms, self.device)
         with self._autocast():
@@ -309,8 +351,10 @@ class Learner:
             logp, behaviour, adv, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
             max_importance_weight=self.cfg.max_importance_weight,
         )
+        if objective == "nll":
+            pg, clipped = -logp, torch.zeros_like(logp)
         kl = torch.zeros_like(pg)
-        if self.ref is not None:
+        if self.ref is not None and objective == "grpo":
             with torch.no_grad(), self._autocast():
                 ref_logp = self.ref(**inputs, chunk_tokens=self.cfg.logprob_chunk_tokens)
             kl = losses.kl_k3(logp, ref_logp)

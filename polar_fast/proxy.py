@@ -306,8 +306,9 @@ def _count_format_errors(session: Session, conv: Conversation) -> None:
     """A harness that rejects a reply says so in the messages it adds after that reply."""
     if not session.format_error_markers or not session.n_calls:
         return
-    new = conv.messages[len(session.last_exchange[1]) + 1:]  # after the resent request and our reply
-    if any(marker in (m.content or "") for m in new for marker in session.format_error_markers):
+    # what this request adds after the previous one (some harnesses drop the rejected reply)
+    new = conv.messages[len(session.last_exchange[1]):]
+    if any(marker in (m.content or "") for m in new if m.role != "assistant" for marker in session.format_error_markers):
         session.count("format_error")
 
 

@@ -34,7 +34,7 @@ from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner
 from polar_fast.learner import distributed
 from polar_fast.learner.weight_sync import DiskSync, EngineSync
-from polar_fast.records import CallRecord, Outcome
+from polar_fast.records import CALL_CAUSES, CallRecord, Outcome
 from polar_fast.report.metrics import MetricsWriter
 from polar_fast.rollouts.stack import open_rollouts
 from polar_fast.rollouts.task_images import check_images
@@ -67,6 +67,8 @@ class RunSummary:
     leftovers_removed: int = 0
     stopped_early: bool = False
     checkpoint: str = ""
+    evals: list[dict] = field(default_factory=list)  # periodic evals: step, split, pass@k, mean reward
+    causes: dict[str, dict[str, int]] = field(default_factory=dict)  # harness -> CALL_CAUSES, trained rollouts
 
 
 def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
@@ -115,9 +117,11 @@ def _weight_sync(cfg: Config, engine, run_dir: Path):
     return EngineSync(engine)
 
 
-async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, dict], None] | None = None) -> RunSummary:
+async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, dict], None] | None = None,
+                engine=None) -> RunSummary:
     """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
-    "status" (every second), "step" (after each step) and "info" events for progress display."""
+    "status" (every second), "step" (after each step), "eval" and "info" events for progress
+    display. `engine` replaces the configured engine (tests: a scripted policy)."""
     emit = on_event or (lambda kind, data: None)
     check_run(cfg)
     summary = RunSummary()
@@ -134,16 +138,19 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
     metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
     try:
-        async with open_rollouts(cfg, run_dir, emit=emit) as rollouts:
+        async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
             sync = _weight_sync(cfg, rollouts.engine, run_dir)
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:
+                evaluator = _PeriodicEval(cfg, rollouts, metrics, summary, emit)
+                if cfg.eval.at_start and learner.step_count == 0:
+                    await evaluator.run(0)
                 pools = rollouts.pools(max_groups_in_flight=groups_in_flight(cfg.run),
                                        partial_group_after_s=cfg.run.partial_group_after_s)
                 loop = _Loop(rollouts.cfg, learner, sync, pools, rollouts.agent, rollouts.proxy,
-                             metrics, summary, stop.event, emit)
+                             metrics, summary, stop.event, emit, evaluator)
                 pools.on_late = loop.on_late
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
@@ -156,10 +163,10 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
 class _Loop:
     """Pools and learner side by side; ends after the last step or at a stop request."""
 
-    def __init__(self, cfg, learner, sync, pools, agent, proxy, metrics, summary, stop, emit) -> None:
+    def __init__(self, cfg, learner, sync, pools, agent, proxy, metrics, summary, stop, emit, evaluator) -> None:
         self.cfg, self.learner, self.sync, self.pools = cfg, learner, sync, pools
         self.agent, self.proxy, self.metrics, self.summary = agent, proxy, metrics, summary
-        self.stop, self.emit = stop, emit
+        self.stop, self.emit, self.evaluator = stop, emit, evaluator
         self.ready: asyncio.Queue[ReadyGroup] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
 
     async def run(self, tasks: Iterator[Task]) -> None:
@@ -233,6 +240,7 @@ class _Loop:
             "learner": msgspec.structs.asdict(step),
             "reward": _reward_stats(groups),
             "outcomes": _outcome_counts(rollouts),
+            "causes": _cause_counts(rollouts),
             "pools": {s.name: {"busy_fraction": s.busy_fraction, "queued": s.queued, "running": s.running}
                       for s in (stats.boot, stats.agent, stats.eval)},
             "stragglers": {"running": stats.stragglers, "oldest_s": stats.oldest_straggler_s,
@@ -244,11 +252,18 @@ class _Loop:
                           "withheld_groups": withheld},
             "step_time_s": time.perf_counter() - started,
         }
+        for harness, counts in values["causes"].items():
+            total = self.summary.causes.setdefault(harness, dict.fromkeys(CALL_CAUSES, 0))
+            for cause, n in counts.items():
+                total[cause] = total.get(cause, 0) + n
         flat = await self.metrics.write(step.step, values)
         await self.metrics.write_groups(step.step, [(g.group.group_id, "trained") for g in groups]
                                         + [(g, "withheld") for g in withheld_ids])
         self.summary.steps.append(flat)
         self.emit("step", flat)
+        every = self.cfg.eval.every_steps
+        if every and (step.step % every == 0 or step.step == self.cfg.run.steps):
+            await self.evaluator.run(step.step)
 
     async def _report_status(self) -> None:
         while True:
@@ -277,6 +292,46 @@ def _reward_stats(groups: list[ReadyGroup]) -> dict[str, float]:
         "group_std_mean": statistics.fmean(per_group_std) if per_group_std else 0.0,
         "zero_variance_groups": sum(1 for s in per_group_std if s == 0.0),
     }
+
+
+def _cause_counts(rollouts) -> dict[str, dict[str, int]]:
+    """Per harness: how often each cause of a zero reward happened (records.CALL_CAUSES), and
+    how many rollouts scored 0."""
+    out: dict[str, dict[str, int]] = {}
+    for r in rollouts:
+        counts = out.setdefault(r.harness, {**dict.fromkeys(CALL_CAUSES, 0), "zero_reward": 0})
+        for cause, n in r.causes.items():
+            counts[cause] = counts.get(cause, 0) + n
+        counts["zero_reward"] += r.reward == 0.0
+    return out
+
+
+class _PeriodicEval:
+    """Held-out evaluation during training (eval.every_steps) on the run's own rollout stack,
+    beside the training rollouts; logged to metrics.jsonl / TensorBoard under `eval/`."""
+
+    def __init__(self, cfg: Config, rollouts, metrics: MetricsWriter, summary: RunSummary, emit) -> None:
+        self.cfg, self.rollouts, self.metrics, self.summary, self.emit = cfg, rollouts, metrics, summary, emit
+        self._tasks: list[Task] | None = None
+
+    async def run(self, step: int) -> None:
+        from polar_fast.evaluate import eval_tasks, evaluate_tasks, score_harness
+
+        ec = self.cfg.eval
+        if self._tasks is None:
+            self._tasks = await asyncio.to_thread(eval_tasks, self.cfg, ec.split, ec.limit)
+        self.emit("info", {"message": f"evaluating step {step}: {len(self._tasks)} {ec.split} tasks x {ec.samples}"})
+        started = time.perf_counter()
+        records = await evaluate_tasks(self.rollouts, self._tasks, ec.samples)
+        score = score_harness(self.cfg.harness.name, records, ec.k, [t.instance_id for t in self._tasks])
+        values = {"eval": {f"pass@{k}": v for k, v in score.pass_at.items() if v is not None}
+                  | {"mean_reward": score.mean_reward or 0.0, "infra_failures": score.outcomes["infra_error"],
+                     "duration_s": time.perf_counter() - started}}
+        await self.metrics.write(step, values)
+        entry = {"step": step, "split": ec.split, "tasks": score.tasks, "samples": ec.samples,
+                 "pass_at": score.pass_at, "mean_reward": score.mean_reward, "causes": score.causes}
+        self.summary.evals.append(entry)
+        self.emit("eval", entry)
 
 
 def _outcome_counts(rollouts) -> dict[str, int]:

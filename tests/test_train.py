@@ -236,3 +236,39 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
     assert "stopped early on request" in output
     assert list((out / "checkpoints").glob("step_*.pt"))
     assert read_log(out / "records.log").torn_bytes == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_a_step_names_the_causes_of_zero_rewards_and_the_periodic_eval_is_logged(tmp_path):
+    """One group: a rollout that fixes the task and one that answers without a tool call, which
+    mini-swe-agent rejects with its format error. The step's metrics count both causes, and the
+    held-out eval after the step scores the scripted fix of its task."""
+    from polar_fast.engines.scripted import PlaybookEngine
+    from polar_fast.model import load_tokenizer
+    from polar_fast.rollouts.families import family_tasks
+
+    train_task, heldout_task = await anyio.to_thread.run_sync(
+        lambda: (family_tasks("train", families=["constant"], per_family=1)[0],
+                 family_tasks("heldout", families=["constant"])[0]))
+    plays = {train_task.problem_statement: [[bash_call(fix_command(train_task.patch)), SUBMIT],
+                                            ["I am not sure what to do.", SUBMIT]],
+             heldout_task.problem_statement: [[bash_call(fix_command(heldout_task.patch)), SUBMIT]]}
+    engine = PlaybookEngine(plays, await anyio.to_thread.run_sync(load_tokenizer))
+    cfg = run_config(tmp_path, tasks={"source": "families", "families": ["constant"], "per_family": 1},
+                     eval={"every_steps": 1, "limit": 1, "samples": 1, "k": [1]})
+    summary = await train(cfg, engine=engine)
+
+    [step] = summary.steps
+    assert step["reward/mean"] == 0.5 and step["learner/n_terms"] > 0
+    assert step["causes/mini-swe-agent/no_tool_call"] == 1 and step["causes/mini-swe-agent/format_error"] == 1
+    assert step["causes/mini-swe-agent/zero_reward"] == 1 and step["causes/mini-swe-agent/truncated"] == 0
+    assert summary.causes["mini-swe-agent"]["no_tool_call"] == 1
+    [ev] = summary.evals
+    assert ev["step"] == 1 and ev["pass_at"] == {"1": 1.0} and ev["split"] == "heldout"
+    text = await anyio.to_thread.run_sync((tmp_path / "run" / "metrics.jsonl").read_text)
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert [x["eval/pass@1"] for x in lines if "eval/pass@1" in x] == [1.0]
+    rollouts = (await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")).rollouts
+    assert {r.purpose for r in rollouts if r.task_id == heldout_task.instance_id} == {"eval"}

@@ -39,6 +39,9 @@ class Progress:
         if kind == "info":
             self.console.log(data["message"]) if self.enabled else None
             return
+        if kind == "eval":
+            self.console.log(f"eval at step {data['step']}: {format_eval(data)}") if self.enabled else None
+            return
         if self._bar is None:
             return
         if kind == "status":
@@ -48,8 +51,11 @@ class Progress:
             self._bar.update(self._status, completed=data["rollouts_done"], detail=detail)
             self._bar.update(self._steps, completed=data["step"])
         elif kind == "step":
+            causes = "  ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in data.items()
+                               if k.startswith("causes/") and v and not k.endswith("/zero_reward"))
             self._bar.update(self._steps, completed=int(data["learner/step"]),
-                             detail=f"reward {data['reward/mean']:.2f}  loss {data['learner/loss']:.4f}")
+                             detail=f"reward {data['reward/mean']:.2f}  loss {data['learner/loss']:.4f}"
+                                    + (f"  {causes}" if causes else ""))
 
     def print_summary(self, summary, *, console: Console | None = None) -> None:
         console = console or Console()
@@ -59,9 +65,23 @@ class Progress:
                       f"withheld as stale {summary.groups_withheld}; calls {summary.calls}, "
                       f"sampled tokens {summary.sampled_tokens}"
                       + ("; stopped early on request" if summary.stopped_early else ""))
+        for entry in getattr(summary, "evals", []):
+            console.print(f"eval at step {entry['step']}: {format_eval(entry)}")
+        causes = getattr(summary, "causes", {})
+        for harness, counts in sorted(causes.items()):  # zero_reward: rollouts; the rest: calls
+            named = ", ".join(f"{c} {n}" for c, n in counts.items() if n) or "none"
+            console.print(f"{harness} zero rewards and their causes: {named}")
         if summary.leftovers_removed:
             console.print(f"removed {summary.leftovers_removed} sandboxes left by an earlier run")
         console.print(f"checkpoint: {summary.checkpoint}")
+
+
+def format_eval(entry: dict) -> str:
+    """'pass@1 41.7% (12 heldout tasks x 1), mean reward 0.417'"""
+    cells = ", ".join(f"pass@{k} {'n<k' if v is None else f'{100 * v:.1f}%'}" for k, v in entry["pass_at"].items())
+    reward = entry.get("mean_reward")
+    return (f"{cells} ({entry['tasks']} {entry['split']} tasks x {entry['samples']})"
+            + (f", mean reward {reward:.3f}" if reward is not None else ""))
 
 
 # (header, metrics key, format), most important first: a narrow terminal keeps a prefix of these

@@ -1,0 +1,70 @@
+"""`sft`: fine-tuning on token rows in export's format lowers their loss, with the packed learner,
+and writes a model directory that loads again (and that `eval --checkpoint` takes as is)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from polar_fast.config import parse_config
+from polar_fast.evaluate import checkpoint_model_dir
+from polar_fast.learner.sft import SftError, read_rows, run_sft
+from polar_fast.model import load_model, load_tokenizer
+
+EXCHANGES = [("Which file holds the bug?", "calc.py, in the function total."),
+             ("What command runs the tests?", "python3 -m unittest -v")]
+
+
+def token_rows() -> list[dict]:
+    """Rows as export writes them: the chat template's ids, loss_mask 1 on the reply tokens."""
+    tok = load_tokenizer()
+    rows = []
+    for question, answer in EXCHANGES:
+        user = [{"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        whole = tok.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=False)
+        p_ids = tok.encode(prompt, add_special_tokens=False)
+        ids = tok.encode(whole, add_special_tokens=False)
+        assert ids[: len(p_ids)] == p_ids
+        rows.append({"input_ids": ids, "loss_mask": [0] * len(p_ids) + [1] * (len(ids) - len(p_ids))})
+    return rows
+
+
+def write_rows(path, rows) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sft_lowers_the_loss_on_its_rows_and_writes_a_loadable_model(tmp_path):
+    write_rows(tmp_path / "data", token_rows())
+    cfg = parse_config({"run": {"output_dir": str(tmp_path / "run")}, "sft": {"epochs": 3, "lr": 1e-4, "rows_per_step": 1}})
+    report = run_sft(cfg, tmp_path / "data", out_dir=tmp_path / "model")
+    assert report.rows == 2 and report.steps == 6 and report.trained_tokens > 10
+    assert report.nll_after < report.nll_before * 0.8, (report.nll_before, report.nll_after)
+    assert checkpoint_model_dir(str(tmp_path / "model"), "") == tmp_path / "model"
+    tuned, base = load_model(str(tmp_path / "model")), load_model("")
+    changed = [n for n, p in tuned.state_dict().items() if not p.equal(base.state_dict()[n])]
+    assert changed  # the saved weights are the fine-tuned ones
+
+
+def test_bad_rows_are_named(tmp_path):
+    with pytest.raises(SftError, match="write them with `python -m polar_fast export`"):
+        read_rows(tmp_path / "missing")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "tokens.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    with pytest.raises(SftError, match="row 1: 2 input_ids but 1 loss_mask"):
+        read_rows(tmp_path / "a")
+    (tmp_path / "a" / "tokens.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 0]}\n')
+    with pytest.raises(SftError, match="no row has a trainable"):
+        read_rows(tmp_path / "a")
+
+
+def test_sft_cli_says_what_is_missing_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "polar_fast", "sft", "--data", str(tmp_path / "none"),
+                           "--set", f"run.output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no SFT token rows" in done.stderr
