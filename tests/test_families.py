@@ -70,3 +70,21 @@ async def test_every_family_task_holds_in_a_sandbox(task):
     assert empty.reward == 0.0 and set(empty.failed) == set(task.FAIL_TO_PASS)
     assert all(empty.tests[t] == "passed" for t in task.PASS_TO_PASS)  # they really pass before the fix
     assert partial.reward == 0.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("task", [family_task(f, s) for f in FAMILIES for s in (0, HELDOUT_SEEDS[1])],
+                         ids=lambda t: t.instance_id)
+async def test_the_teacher_command_fixes_the_task(task):
+    """What a teacher demonstration types (the warm start's traces) really solves the task."""
+    from polar_fast.rollouts.tasks import prepare_repo, repo_diff
+
+    factory = make_sandbox_factory(SandboxConfig(kind="local"), run_id=f"fam-{uuid.uuid4().hex[:6]}")
+    async with factory.open(SandboxSpec()) as box:
+        await prepare_repo(box, task)
+        done = await box.exec(["sh", "-c", task.solution_command], cwd=box.workdir)
+        assert done.exit_code == 0, done.stderr
+        diff = await repo_diff(box, task.base_commit)
+    async with factory.open(SandboxSpec()) as box:
+        result = await evaluate(box, task, diff)
+    assert result.reward == 1.0, result.output_tail

@@ -47,6 +47,7 @@ class Generated:
     statement: str
     fail_to_pass: list[str]
     pass_to_pass: list[str]
+    solution: str  # a one-line shell command that makes the fix (what a teacher would type)
 
 
 def _name(rng: random.Random) -> str:
@@ -79,7 +80,7 @@ def _constant(rng: random.Random) -> Generated:
         f"{mod}.py", src, fixed,
         _test_file(mod, ["count"], keep), _test_file(mod, [const, "capped", "count"], {**keep, **add}),
         f"In `{mod}.py`, `{const}` is {old} but it must be {new}: change `{const} = {old}` to `{const} = {new}`.",
-        _ids(mod, list(add)), _ids(mod, list(keep)),
+        _ids(mod, list(add)), _ids(mod, list(keep)), _sed(f"{const} = {old}", f"{const} = {new}", f"{mod}.py"),
     )
 
 
@@ -100,7 +101,7 @@ def _returns(rng: random.Random) -> Generated:
         f"{mod}.py", src, fixed,
         _test_file(mod, ["double"], keep), _test_file(mod, [func, "double"], {**keep, **add}),
         f"`{func}(a, b)` in `{mod}.py` returns `{wrong}`; it must return `{right}`.",
-        _ids(mod, list(add)), _ids(mod, list(keep)),
+        _ids(mod, list(add)), _ids(mod, list(keep)), _sed(f"return {wrong}", f"return {right}", f"{mod}.py"),
     )
 
 
@@ -121,7 +122,7 @@ def _compare(rng: random.Random) -> Generated:
         f"{mod}.py", src, fixed,
         _test_file(mod, [func], keep), _test_file(mod, [func, "describe"], {**keep, **add}),
         f"`{func}({limit})` in `{mod}.py` returns False, but the limit itself counts: it should return True.",
-        _ids(mod, list(add)), _ids(mod, list(keep)),
+        _ids(mod, list(add)), _ids(mod, list(keep)), _sed(f"{var} {op} LIMIT", f"{var} {good} LIMIT", f"{mod}.py"),
     )
 
 
@@ -139,8 +140,16 @@ def _rename(rng: random.Random) -> Generated:
         f"{mod}.py", src, fixed,
         _test_file(mod, ["first"], keep), _test_file(mod, ["first"], {**keep, **add}),
         f"Rename the function `{old}` in `{mod}.py` to `{new}`, and update its callers.",
-        _ids(mod, list(add)), _ids(mod, list(keep)),
+        _ids(mod, list(add)), _ids(mod, list(keep)), _sed(old, new, f"{mod}.py"),
     )
+
+
+def _sed(old: str, new: str, path: str) -> str:
+    """`sed -i` replacing every `old` with `new` (literal text: regex characters escaped)."""
+    def escape(text: str, special: str) -> str:
+        return "".join("\\" + c if c in special else c for c in text)
+
+    return f"sed -i 's#{escape(old, '.*[]^$#&/')}#{escape(new, '&#')}#g' {path}"
 
 
 FAMILIES: dict[str, Callable[[random.Random], Generated]] = {
@@ -169,6 +178,7 @@ def family_task(family: str, seed: int, *, cache_root: Path | None = None) -> Ta
         "PASS_TO_PASS": g.pass_to_pass,
         "test_command": TEST_COMMAND,
         "repo_snapshot": str(repo),
+        "solution_command": g.solution,
         "version": "1",
     }
     return parse_task(row, where=f"family {family} seed {seed}")

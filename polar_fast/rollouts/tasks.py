@@ -70,6 +70,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     log_parser: str = ""  # log_parsers.PARSERS name; "" = the default (pytest + unittest)
     data_source: str = ""  # SkyRL-v0's column: "swe-gym", "swe-bench", ...
     repo_snapshot: str = ""  # host dir with the repo's files at base_commit (built-in tasks)
+    solution_command: str = ""  # a one-line shell fix a teacher can type (generated families; never shown)
 
     def __post_init__(self) -> None:
         if not self.FAIL_TO_PASS:
