@@ -163,7 +163,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
 class _Loop:
     """Pools and learner side by side; ends after the last step or at a stop request."""
 
-    def __init__(self, cfg, learner, sync, pools, agent, proxy, metrics, summary, stop, emit, evaluator) -> None:
+    def __init__(self, cfg, learner, sync, pools, agent, proxy, metrics, summary, stop, emit, evaluator=None) -> None:
         self.cfg, self.learner, self.sync, self.pools = cfg, learner, sync, pools
         self.agent, self.proxy, self.metrics, self.summary = agent, proxy, metrics, summary
         self.stop, self.emit, self.evaluator = stop, emit, evaluator
@@ -262,7 +262,7 @@ class _Loop:
         self.summary.steps.append(flat)
         self.emit("step", flat)
         every = self.cfg.eval.every_steps
-        if every and (step.step % every == 0 or step.step == self.cfg.run.steps):
+        if every and self.evaluator and (step.step % every == 0 or step.step == self.cfg.run.steps):
             await self.evaluator.run(step.step)
 
     async def _report_status(self) -> None:

@@ -24,7 +24,7 @@ def call(rollout: str, version: int) -> CallRecord:
 
 def group(name: str, version: int) -> ReadyGroup:
     rollout = RolloutRecord(rollout_id=name, group_id=name, task_id="t", harness="h", outcome=Outcome.OK, reward=1.0)
-    return ReadyGroup(SimpleNamespace(rollouts=[rollout]), [call(name, version)])
+    return ReadyGroup(SimpleNamespace(group_id=name, rollouts=[rollout]), [call(name, version)])
 
 
 class Learner:
@@ -52,6 +52,12 @@ def stage(name: str) -> StageStatistics:
 
 
 class Metrics:
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, str, str]] = []  # what groups.jsonl would get
+
+    async def write_groups(self, step, statuses):
+        self.groups += [(step, g, s) for g, s in statuses]
+
     async def write(self, step, values):
         return {"step": step, **{k: v for k, v in values.items() if not isinstance(v, dict)}}
 
@@ -65,13 +71,15 @@ async def test_stale_groups_are_withheld_and_counted(tmp_path):
                                                                eval=stage("eval"), groups_done=0, rollouts_done=0,
                                                                retries=0, elapsed_s=0.0))
     summary = RunSummary()
-    loop = _Loop(cfg, learner, None, pools, None, None, Metrics(), summary, asyncio.Event(), lambda *a: None)
+    metrics = Metrics()
+    loop = _Loop(cfg, learner, None, pools, None, None, metrics, summary, asyncio.Event(), lambda *a: None)
     learn = asyncio.ensure_future(loop._learn())
     await loop.ready.put(group("too-old", 2))  # learner at version 5: 5 - 2 > 2, stale
     await loop.ready.put(group("fresh-enough", 3))  # 5 - 3 <= 2
     await asyncio.wait_for(learn, 30)
     assert learner.trained == [["fresh-enough"]]
     assert summary.groups_withheld == 1 and summary.groups_trained == 1
+    assert metrics.groups == [(1, "fresh-enough", "trained"), (1, "too-old", "withheld")]
 
 
 @pytest.mark.anyio
