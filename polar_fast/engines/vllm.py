@@ -172,35 +172,26 @@ class VllmEngine:
         except aiohttp.ClientError as e:
             raise OSError(f"{type(e).__name__}: {e}") from None
 
-    def _sampling_fields(self, sampling: Sampling) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
+    @staticmethod
+    def _shared_sampling(sampling: Sampling) -> dict[str, Any]:
+        """What both routes (chat and /inference/v1/generate) take the same way."""
+        fields: dict[str, Any] = {
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "skip_special_tokens": False,
-            "return_token_ids": True,
         }
         if sampling.stop_token_ids:
-            body["stop_token_ids"] = list(sampling.stop_token_ids)
+            fields["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        return body
+            fields["seed"] = sampling.seed
+        return fields
+
+    def _sampling_fields(self, sampling: Sampling) -> dict[str, Any]:
+        return {"model": self.model, **self._shared_sampling(sampling), "return_token_ids": True}
 
     def _sampling_params(self, sampling: Sampling) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "logprobs": 0,
-            "detokenize": False,
-            "skip_special_tokens": False,
-        }
-        if sampling.stop_token_ids:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            params["seed"] = sampling.seed
-        return params
+        return {**self._shared_sampling(sampling), "logprobs": 0, "detokenize": False}
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = ""
