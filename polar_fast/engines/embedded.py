@@ -8,6 +8,9 @@ Choices:
   at the run's temperature. Temperature 0 is greedy and records the raw (T=1) logprob.
 - `update_weights` takes the same lock, so a generation in flight finishes on the old weights and
   its `Generation.policy_version` names the weights that really sampled it.
+- A call starts from the KV cache of an earlier call with the same opening tokens (its own
+  session's last call, or any session's system prompt): see prefix_cache.py. Prefill keeps only
+  the last position's logits, the one sampled from.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from polar_fast.engines import Generation, Sampling
+from polar_fast.engines.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +40,7 @@ class EmbeddedEngine:
             _as_list(getattr(self.model.generation_config, "eos_token_id", None))
         )
         self.policy_version = 0
+        self.prefix_cache = PrefixCache()
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -60,23 +65,34 @@ class EmbeddedEngine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self._engine_cfg.device).manual_seed(sampling.seed)
         device = self._engine_cfg.device
-        cache = DynamicCache()
-        step_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        prompt = list(prompt_ids)
+        cache, reused = self.prefix_cache.take(prompt)
+        cache = cache if cache is not None else DynamicCache()
+        step_ids = torch.tensor([prompt[reused:]], dtype=torch.long, device=device)
         ids: list[int] = []
         logprobs: list[float] = []
         with torch.inference_mode():
-            for _ in range(sampling.max_tokens):
-                out = self.model(input_ids=step_ids, cache=cache, use_cache=True)
-                cache = out.cache
-                logits = out.logits[0, -1].float()  # (V,)
-                token = _sample(logits, sampling, generator)
-                ids.append(token)
-                scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
-                logprobs.append(torch.log_softmax(scaled, dim=-1)[token].item())
-                if token in stop:
-                    return ids, logprobs, "stop"
-                step_ids = torch.tensor([[token]], dtype=torch.long, device=device)
-        return ids, logprobs, "length"
+            finish = self._decode(step_ids, cache, sampling, stop, generator, ids, logprobs)
+        if ids:  # the cache now holds the prompt and every sampled token but the last (never fed)
+            self.prefix_cache.put(prompt + ids[:-1], cache)
+        return ids, logprobs, finish
+
+    def _decode(self, step_ids, cache, sampling: Sampling, stop, generator, ids: list[int],
+                logprobs: list[float]) -> str:
+        import torch
+
+        device = self._engine_cfg.device
+        for _ in range(sampling.max_tokens):
+            out = self.model(input_ids=step_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1].float()  # (V,)
+            token = _sample(logits, sampling, generator)
+            ids.append(token)
+            scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
+            logprobs.append(torch.log_softmax(scaled, dim=-1)[token].item())
+            if token in stop:
+                return "stop"
+            step_ids = torch.tensor([[token]], dtype=torch.long, device=device)
+        return "length"
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, *, version: int
@@ -93,6 +109,7 @@ class EmbeddedEngine:
         if named_tensors is None:
             fresh = load_model(self._model_cfg.path, dtype=self._engine_cfg.dtype, device="cpu")
             named_tensors = fresh.state_dict().items()
+        self.prefix_cache.clear()  # keys and values of the old weights
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in named_tensors:
