@@ -153,33 +153,48 @@ def build_step_batch(
                      reward_mean=float(np.mean(scored)) if scored else math.nan)
 
 
-def nll_step_batch(rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> StepBatch:
-    """Supervised fine-tuning on token rows (input_ids, loss_mask), as `export` writes them: each
-    row one sequence, every masked token one term, all terms weighted the same (token mean).
-    Train it with `Learner.train_step(batch, objective="nll")`."""
-    from polar_fast.merge.arrays import MicroBatch
-
-    mbs, terms = [], []
-    for ids, mask in rows:
-        n = len(ids)
-        if len(mask) != n:
-            raise ValueError(f"a token row has {n} input_ids but {len(mask)} loss_mask entries")
-        m = np.asarray(mask, np.uint8)
-        mb = MicroBatch(
-            tokens=np.asarray(ids, np.int32), positions=np.arange(n, dtype=np.int32),
-            parent=np.arange(-1, n - 1, dtype=np.int32), size=np.arange(n, 0, -1, dtype=np.int32),
-            loss_mask=m, logprobs=np.zeros(n, np.float32), versions=np.where(m == 1, 0, -1).astype(np.int32),
-            rollout=np.zeros(n, np.int32), node=np.arange(n, dtype=np.int32), offsets=np.array([0, n], np.int32),
-            extra_index=np.zeros(0, np.int32), extra_rollout=np.zeros(0, np.int32),
-            extra_logprob=np.zeros(0, np.float32), extra_version=np.zeros(0, np.int32),
-        )
-        mbs.append(mb)
-        terms.append(loss_terms(mb))
+def nll_step_batch(
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]], *, layout: str = "tree", max_tokens: int = 8192,
+    merge_impl: ModuleType | None = None,
+) -> StepBatch:
+    """Supervised fine-tuning on token rows (input_ids, loss_mask), as `export` writes them: every
+    masked token one term, all terms weighted the same (token mean). Each row's masked runs become
+    the calls they were sampled as (prompt = all before the run), and the rows are merged like a
+    GRPO group, so the system prompt they share is forwarded once per micro-batch, not once per
+    row. Train it with `Learner.train_step(batch, objective="nll")`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if merge_impl is None:
+        from polar_fast import merge as merge_impl
+    calls = []
+    for r, (ids, mask) in enumerate(rows):
+        if len(mask) != len(ids):
+            raise ValueError(f"a token row has {len(ids)} input_ids but {len(mask)} loss_mask entries")
+        ids, mask = list(ids), [int(m) for m in mask]
+        for j, (start, end) in enumerate(_masked_runs(mask)):
+            calls.append(CallRecord(
+                session_id=f"row{r}", rollout_id=f"row{r:08d}", group_id="sft", call_index=j,
+                prompt_ids=ids[:start], completion_ids=ids[start:end], completion_logprobs=[0.0] * (end - start),
+                policy_version=0, finish_reason="stop", dialect="chat"))
+    mbs = [mb for mb, _ in _group_batches(calls, layout, max_tokens, merge_impl)] if calls else []
+    terms = [loss_terms(mb) for mb in mbs]
     total = sum(len(t.position) for t in terms)
     weights = [np.full(len(t.position), 1.0 / total if total else 0.0) for t in terms]
     return StepBatch(mbs, terms, [np.ones(len(t.position), np.float32) for t in terms], weights,
-                     [np.full(len(t.position), i, np.int64) for i, t in enumerate(terms)],
-                     n_rollouts=len(rows), reward_mean=math.nan)
+                     [t.rollout.astype(np.int64) for t in terms], n_rollouts=len(rows), reward_mean=math.nan)
+
+
+def _masked_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s (a run at position 0 has no prompt to condition on: skipped)."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            if start > 0:
+                runs.append((start, i))
+            start = None
+    return runs
 
 
 def _split_weights(mode: str, keys_r: list[np.ndarray], keys_s: list[np.ndarray]) -> list[np.ndarray]:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from test_packed_forward import tiny_llama
 
 from polar_fast.config import parse_config
 from polar_fast.evaluate import checkpoint_model_dir
@@ -68,3 +69,24 @@ def test_sft_cli_says_what_is_missing_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "polar_fast", "sft", "--data", str(tmp_path / "none"),
                            "--set", f"run.output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no SFT token rows" in done.stderr
+
+
+def test_rows_sharing_a_prompt_are_forwarded_once_with_the_same_loss():
+    """Two multi-turn rows with the same system prompt: the tree batch forwards that prompt once,
+    the per-call layout forwards every call whole, and the token-mean NLL is the same."""
+    from polar_fast.config import LearnerConfig
+    from polar_fast.grpo import Learner, nll_step_batch
+
+    system = list(range(100, 160))  # token ids < tiny_llama's vocabulary of 211
+    rows = []
+    for r in range(2):
+        reply1, obs, reply2 = [20 + r, 21, 22], [30 + r, 31], [40 + r, 41]
+        ids = system + [10 + r] + reply1 + obs + reply2
+        mask = [0] * (len(system) + 1) + [1] * 3 + [0] * 2 + [1] * 2
+        rows.append((ids, mask))
+    tree = nll_step_batch(rows, layout="tree")
+    flat = nll_step_batch(rows, layout="percall")
+    assert tree.n_terms == flat.n_terms == 10
+    assert tree.n_tokens < len(system) + 2 * 10 < flat.n_tokens
+    learner = Learner(LearnerConfig(), tiny_llama(), layout="tree")
+    assert learner.nll(tree) == pytest.approx(learner.nll(flat), rel=1e-5)
