@@ -180,6 +180,16 @@ class SftConfig(_Section):
     seed: int = 0  # row order
 
 
+class WarmStartConfig(_Section):
+    """A warm start before RL (warm_start.py): teacher demonstrations of generated tasks' one-line
+    fixes, played through the real harness, exported and fine-tuned on. Cached by content."""
+
+    demos: int = 0  # teacher demonstrations per task family ("demos" split); 0 = no warm start
+    epochs: int = 3
+    lr: float = 5e-5
+    rows_per_step: int = 4
+
+
 class RunConfig(_Section):
     """The training run as a whole."""
 
@@ -187,6 +197,9 @@ class RunConfig(_Section):
     steps: int = 2
     groups_per_step: int = 2
     max_staleness: int = 1  # policy versions a trajectory may lag before it is withheld
+    # per step, up to this many zero-variance groups (all rewards equal: no advantage) are passed
+    # over for the next finished group, as DAPO's dynamic sampling; 0 = train every group as it comes
+    zero_variance_skips: int = 4
     groups_in_flight: int = 0  # groups started but not finished; 0 = 2 x groups_per_step (stragglers delay only their group)
     partial_group_after_s: float = 0.0  # > 0: train a group without stragglers that waited this long (biased); 0 = off
     seed: int = 0
@@ -229,6 +242,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     rollout_service: RolloutServiceConfig = RolloutServiceConfig()
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import ipaddress
 import logging
 import math
@@ -270,7 +271,14 @@ async def close_session(request: web.Request) -> web.Response:
 # ----------------------------------------------------------------------------- model calls
 
 
-def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Sampling:
+def call_seed(run_seed: int, rollout_id: str, call_index: int) -> int:
+    """The seed of one call of a seeded run: the rollouts of a group (same prompt) must not sample
+    alike, and a rerun of the run must sample the same, so it derives from stable ids."""
+    digest = hashlib.blake2b(f"{run_seed}:{rollout_id}:{call_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: every engine takes it
+
+
+def _sampling(state: ProxyState, conv: Conversation, prompt_len: int, session: Session | None = None) -> Sampling:
     s = state.cfg.sampling
     temperature, top_p = s.temperature, s.top_p  # the run's sampling (config.SamplingConfig)
     if s.from_harness:
@@ -293,6 +301,8 @@ def _sampling(state: ProxyState, conv: Conversation, prompt_len: int) -> Samplin
         )
     max_tokens = min(conv.max_tokens or s.max_tokens, s.max_tokens, context - prompt_len)
     seed = conv.seed if conv.seed is not None else s.seed
+    if conv.seed is None and s.seed is not None and session is not None:
+        seed = call_seed(s.seed, session.rollout_id, session.n_calls)
     return Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
 
 
@@ -382,7 +392,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     else:
         prompt = await _prompt(state, session.history, conv)
         try:
-            sampling = _sampling(state, conv, len(prompt.ids))
+            sampling = _sampling(state, conv, len(prompt.ids), session)
         except DialectError as e:
             if e.kind == "context_length":
                 session.count("context_length")
@@ -469,7 +479,7 @@ async def _complete_in_engine(state: ProxyState, session: Session, conv: Convers
     chat_fn = getattr(state.engine, "chat", None)
     if chat_fn is None:
         raise ConfigError('engine.render = "engine" needs the vllm engine')
-    sampling = _sampling(state, conv, 0)
+    sampling = _sampling(state, conv, 0, session)
     version = state.engine.policy_version
     messages = [template_message(m, parse_arguments=False) for m in conv.messages]
     try:

@@ -69,6 +69,7 @@ class RunSummary:
     checkpoint: str = ""
     evals: list[dict] = field(default_factory=list)  # periodic evals: step, split, pass@k, mean reward
     causes: dict[str, dict[str, int]] = field(default_factory=dict)  # harness -> CALL_CAUSES, trained rollouts
+    warm_start: dict = field(default_factory=dict)  # warm_start.py's report, when the run has one
 
 
 def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
@@ -126,6 +127,11 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     check_run(cfg)
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
+    if cfg.warm_start.demos:  # learner and engine both start from the warm-started weights
+        from polar_fast.warm_start import ensure_warm_start
+
+        warm_dir, summary.warm_start = await ensure_warm_start(cfg, emit)
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(warm_dir)))
     tc = cfg.tasks
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
                                     image=tc.image, families=tc.families or None, per_family=tc.per_family)
@@ -207,7 +213,7 @@ class _Loop:
     async def _learn(self) -> None:
         cfg = self.cfg.run
         while self.learner.step_count < cfg.steps:
-            groups, withheld = [], []
+            groups, withheld, skipped = [], [], []
             while len(groups) < cfg.groups_per_step:
                 ready = await self._next_group()
                 if ready is None:
@@ -217,10 +223,13 @@ class _Loop:
                 if oldest is not None and self.learner.version - oldest > cfg.max_staleness:
                     withheld.append(ready.group.group_id)  # its calls stay in records.log; it just does not train
                     continue
+                if len(skipped) < cfg.zero_variance_skips and _zero_variance(ready):
+                    skipped.append(ready)  # all rewards equal: no advantage, nothing to learn; wait for another
+                    continue
                 groups.append(ready)
-            await self._step(groups, withheld)
+            await self._step(groups, withheld, skipped)
 
-    async def _step(self, groups: list[ReadyGroup], withheld_ids: list[str]) -> None:
+    async def _step(self, groups: list[ReadyGroup], withheld_ids: list[str], skipped: list[ReadyGroup] = ()) -> None:
         withheld = len(withheld_ids)
         calls = [c for g in groups for c in g.calls]
         rollouts = [r for g in groups for r in g.group.rollouts]
@@ -238,7 +247,8 @@ class _Loop:
         stats = self.pools.statistics()
         values = {
             "learner": msgspec.structs.asdict(step),
-            "reward": _reward_stats(groups),
+            # over every group this step finished, skipped ones too: the curve is the policy's, not the filter's
+            "reward": {**_reward_stats([*groups, *skipped]), "skipped_groups": len(skipped)},
             "outcomes": _outcome_counts(rollouts),
             "causes": _cause_counts(rollouts),
             "pools": {s.name: {"busy_fraction": s.busy_fraction, "queued": s.queued, "running": s.running}
@@ -258,7 +268,8 @@ class _Loop:
                 total[cause] = total.get(cause, 0) + n
         flat = await self.metrics.write(step.step, values)
         await self.metrics.write_groups(step.step, [(g.group.group_id, "trained") for g in groups]
-                                        + [(g, "withheld") for g in withheld_ids])
+                                        + [(g, "withheld") for g in withheld_ids]
+                                        + [(g.group.group_id, "skipped") for g in skipped])
         self.summary.steps.append(flat)
         self.emit("step", flat)
         every = self.cfg.eval.every_steps
@@ -292,6 +303,11 @@ def _reward_stats(groups: list[ReadyGroup]) -> dict[str, float]:
         "group_std_mean": statistics.fmean(per_group_std) if per_group_std else 0.0,
         "zero_variance_groups": sum(1 for s in per_group_std if s == 0.0),
     }
+
+
+def _zero_variance(ready: ReadyGroup) -> bool:
+    rewards = {r.reward for r in ready.group.rollouts if r.outcome != Outcome.INFRA_ERROR and r.reward is not None}
+    return len(rewards) <= 1
 
 
 def _cause_counts(rollouts) -> dict[str, dict[str, int]]:

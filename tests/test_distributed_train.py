@@ -77,7 +77,8 @@ def test_two_rank_run_matches_a_single_process_step(tmp_path):
     raw = {
         # max_context_tokens: a micro-batch (merge.max_tokens) holds a full-context sequence (train.check_run)
         "model": {"path": str(tiny_model_dir(tmp_path / "model")), "max_context_tokens": 2048},
-        "run": {"output_dir": str(out), "steps": 1, "groups_per_step": 1, "max_staleness": 4, "tensorboard": False},
+        "run": {"output_dir": str(out), "steps": 1, "groups_per_step": 1, "max_staleness": 4, "tensorboard": False,
+                "zero_variance_skips": 0},
         "engine": {"kind": "scripted", "scripted_replies": GROUP_REPLIES},
         "sampling": {"max_tokens": 4096},
         "sandbox": {"kind": "local"},

@@ -51,6 +51,27 @@ async def test_the_runs_sampling_wins_and_the_harness_ask_is_recorded(tmp_path, 
     assert record.harness_sampling == HarnessSampling(temperature=0.3, top_p=0.5, max_tokens=32000)
 
 
+@pytest.mark.anyio
+async def test_a_seeded_run_gives_each_call_its_own_stable_seed(tmp_path):
+    """sampling.seed set: the rollouts of a group see the same prompt, so one seed for all would
+    make them sample alike (zero variance); each call's seed derives from its rollout and index."""
+    from polar_fast.proxy import call_seed
+
+    engine = SeenSampling([[5, 6, 7]], cycle=True)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with scripted_proxy(tmp_path, engine=engine, config={"sampling": {"seed": 7}}) as px, \
+            aiohttp.ClientSession() as http:
+        other = await px.new_session("rollout-1", "group-0")
+        for url in (px.base_url, px.base_url, px.base_url.replace(px.token, other)):
+            async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        async with http.post(f"{px.base_url}/v1/chat/completions", json={**body, "seed": 3}) as r:
+            assert r.status == 200  # a harness that sends its own seed keeps it
+    seeds = [s.seed for s in engine.seen]
+    assert seeds == [call_seed(7, "rollout-0", 0), call_seed(7, "rollout-0", 1), call_seed(7, "rollout-1", 0), 3]
+    assert len(set(seeds)) == 4 and call_seed(8, "rollout-0", 0) != seeds[0]
+
+
 @pytest.mark.parametrize(("sampling", "message"), [
     ({"from_harness": True}, "from_harness"),
     ({"top_p": 0.9}, "top-p truncation"),

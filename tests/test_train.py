@@ -43,7 +43,8 @@ def raw_config(tmp_path, *, steps: int = 1, sandbox: dict | None = None, harness
                replies: list[str] = GROUP_REPLIES, **sections) -> dict:
     raw = {
         "run": {"output_dir": str(tmp_path / "run"), "steps": steps, "groups_per_step": 1,
-                "tensorboard": True, "max_staleness": 4},
+                "tensorboard": True, "max_staleness": 4,
+                "zero_variance_skips": 0},  # scripted groups: each test trains the group it scripts
         "engine": {"kind": "scripted", "scripted_replies": replies * steps},
         "sampling": {"max_tokens": 4096},
         "sandbox": sandbox or {"kind": "local"},

@@ -1,6 +1,7 @@
 """The training loop withholds groups whose oldest call is older than `max_staleness` versions,
-counts them, and trains on the fresh ones (learner, pools and metrics are stand-ins here; the
-end-to-end runs live in test_train.py)."""
+counts them, and trains on the fresh ones; it passes over zero-variance groups (up to
+run.zero_variance_skips per step) for the next one (learner, pools and metrics are stand-ins
+here; the end-to-end runs live in test_train.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ def call(rollout: str, version: int) -> CallRecord:
                       finish_reason="stop", dialect="chat")
 
 
-def group(name: str, version: int) -> ReadyGroup:
-    rollout = RolloutRecord(rollout_id=name, group_id=name, task_id="t", harness="h", outcome=Outcome.OK, reward=1.0)
-    return ReadyGroup(SimpleNamespace(group_id=name, rollouts=[rollout]), [call(name, version)])
+def group(name: str, version: int, rewards: tuple[float, ...] = (1.0, 0.0)) -> ReadyGroup:
+    rollouts = [RolloutRecord(rollout_id=f"{name}" if i == 0 else f"{name}-r{i}", group_id=name, task_id="t",
+                              harness="h", outcome=Outcome.OK, reward=r) for i, r in enumerate(rewards)]
+    return ReadyGroup(SimpleNamespace(group_id=name, rollouts=rollouts), [call(name, version)])
+
+
+def fake_pools():
+    return SimpleNamespace(statistics=lambda: PoolsStatistics(boot=stage("boot"), agent=stage("agent"),
+                                                              eval=stage("eval"), groups_done=0, rollouts_done=0,
+                                                              retries=0, elapsed_s=0.0))
 
 
 class Learner:
@@ -67,12 +75,9 @@ async def test_stale_groups_are_withheld_and_counted(tmp_path):
     cfg = parse_config({"run": {"steps": 1, "groups_per_step": 1, "max_staleness": 2, "output_dir": str(tmp_path),
                                 "checkpoint_every": 100}})
     learner = Learner(version=5)
-    pools = SimpleNamespace(statistics=lambda: PoolsStatistics(boot=stage("boot"), agent=stage("agent"),
-                                                               eval=stage("eval"), groups_done=0, rollouts_done=0,
-                                                               retries=0, elapsed_s=0.0))
     summary = RunSummary()
     metrics = Metrics()
-    loop = _Loop(cfg, learner, None, pools, None, None, metrics, summary, asyncio.Event(), lambda *a: None)
+    loop = _Loop(cfg, learner, None, fake_pools(), None, None, metrics, summary, asyncio.Event(), lambda *a: None)
     learn = asyncio.ensure_future(loop._learn())
     await loop.ready.put(group("too-old", 2))  # learner at version 5: 5 - 2 > 2, stale
     await loop.ready.put(group("fresh-enough", 3))  # 5 - 3 <= 2
@@ -80,6 +85,30 @@ async def test_stale_groups_are_withheld_and_counted(tmp_path):
     assert learner.trained == [["fresh-enough"]]
     assert summary.groups_withheld == 1 and summary.groups_trained == 1
     assert metrics.groups == [(1, "fresh-enough", "trained"), (1, "too-old", "withheld")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("skips", [0, 2])
+async def test_zero_variance_groups_are_passed_over_up_to_the_limit(tmp_path, skips):
+    cfg = parse_config({"run": {"steps": 1, "groups_per_step": 1, "zero_variance_skips": skips,
+                                "output_dir": str(tmp_path), "checkpoint_every": 100}})
+    learner, metrics, summary = Learner(version=0), Metrics(), RunSummary()
+    loop = _Loop(cfg, learner, None, fake_pools(), None, None, metrics, summary, asyncio.Event(), lambda *a: None)
+
+    async def feed():
+        for g in (group("all-fail", 0, (0.0, 0.0)), group("all-pass", 0, (1.0, 1.0)),
+                  group("all-fail-2", 0, (0.0, 0.0)), group("mixed", 0)):
+            await loop.ready.put(g)
+
+    feeder = asyncio.ensure_future(feed())
+    await asyncio.wait_for(loop._learn(), 30)
+    feeder.cancel()
+    if skips == 0:  # trained as it came: a step with nothing to learn
+        assert learner.trained == [["all-fail"]] and metrics.groups == [(1, "all-fail", "trained")]
+    else:  # two passed over, the third zero-variance group trains: the limit bounds a step's wait
+        assert learner.trained == [["all-fail-2"]]
+        assert metrics.groups == [(1, "all-fail-2", "trained"), (1, "all-fail", "skipped"), (1, "all-pass", "skipped")]
+    assert summary.groups_trained == 1
 
 
 @pytest.mark.anyio

@@ -252,7 +252,8 @@ async def test_one_training_step_with_the_vllm_engine(real_vllm):
     before = await served_version(real_vllm.url)
     cfg = parse_config({
         # the run's output dir is the served one: DiskSync writes <output_dir>/weights
-        "run": {"output_dir": str(real_vllm.run_dir), "steps": 1, "groups_per_step": 1, "tensorboard": False},
+        "run": {"output_dir": str(real_vllm.run_dir), "steps": 1, "groups_per_step": 1, "tensorboard": False,
+                "zero_variance_skips": 0},  # the base model scores 0: train the first group as it comes
         "engine": {"kind": "vllm", "url": real_vllm.url, "timeout_s": 600},
         "sampling": {"max_tokens": 16},
         "harness": {"name": "mini-swe-agent", "max_steps": 2, "timeout_s": 600},
