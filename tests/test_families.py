@@ -32,8 +32,11 @@ def test_a_seed_always_gives_the_same_task_and_seeds_differ(tmp_path):
 def test_splits_are_disjoint_and_interleave_families():
     train = family_tasks("train", per_family=5)
     heldout = family_tasks("heldout")
+    demos = family_tasks("demos", per_family=5)
     assert len(train) == 5 * len(FAMILIES) and len(heldout) == len(HELDOUT_SEEDS) * len(FAMILIES)
-    assert not {t.instance_id for t in train} & {t.instance_id for t in heldout}
+    assert len(demos) == len(train)
+    ids = [{t.instance_id for t in split} for split in (train, heldout, demos)]
+    assert not ids[0] & ids[1] and not ids[0] & ids[2] and not ids[1] & ids[2]
     assert [t.repo for t in train[: len(FAMILIES)]] == [f"polar-families/{f}" for f in FAMILIES]
     assert [t.instance_id for t in load_tasks("families", split="train", per_family=5, families=["rename"])] == [
         f"family__rename-{s}" for s in range(5)]
@@ -42,7 +45,7 @@ def test_splits_are_disjoint_and_interleave_families():
 def test_bad_family_and_split_are_named():
     with pytest.raises(TaskError, match="unknown task family 'nope'"):
         family_task("nope", 0)
-    with pytest.raises(TaskError, match="splits 'train' and 'heldout', not 'test'"):
+    with pytest.raises(TaskError, match="splits 'train', 'heldout' and 'demos', not 'test'"):
         family_tasks("test")
 
 

@@ -59,6 +59,10 @@ class Progress:
 
     def print_summary(self, summary, *, console: Console | None = None) -> None:
         console = console or Console()
+        warm = getattr(summary, "warm_start", {})
+        if warm:
+            console.print(f"warm start{' (cached)' if warm.get('cached') else ''}: {warm['demos_kept']}/{warm['demos']} "
+                          f"teacher demonstrations, sft nll {warm['nll_before']:.3f} -> {warm['nll_after']:.3f}")
         console.print(summary_table(summary.steps, width=console.width))
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(summary.outcomes.items())) or "none"
         console.print(f"outcomes: {outcomes}; groups trained {summary.groups_trained}, "

@@ -12,7 +12,11 @@ must make pass (FAIL_TO_PASS) beside tests that pass before and after (PASS_TO_P
 reference fix. The repo files are written once under the cache (content-addressed), so a task is
 an ordinary `Task` with `repo_snapshot` and runs in any sandbox like the hand-written suite.
 
-Splits are by seed: "train" uses seeds 0..n-1 of each family, "heldout" the fixed HELDOUT_SEEDS.
+Splits are by seed: "train" uses seeds 0..n-1 of each family, "heldout" the fixed HELDOUT_SEEDS,
+"demos" (a warm start's teacher demonstrations, warm_start.py) seeds from DEMO_SEED_BASE. A
+family's space is small (the returns family has 5 fixes x 20 module names), so two splits can
+hold the same statement by chance; the held-out split is what the seeds fix, not a guarantee
+that no train task resembles it.
 The held-out tasks are frozen: tests/test_families.py pins their digest, so no change made while
 tuning a run can move them.
 """
@@ -31,6 +35,7 @@ from typing import Callable
 from polar_fast.rollouts.tasks import Task, TaskError, parse_task, snapshot_commit
 
 HELDOUT_SEEDS = range(1_000_000, 1_000_006)  # per family: 6 x 4 families = 24 held-out tasks
+DEMO_SEED_BASE = 500_000  # "demos": teacher demonstrations for a warm start, apart from train and held-out
 TEST_COMMAND = "python3 -m unittest -v"
 _WORDS = ["alpha", "basket", "cedar", "delta", "ember", "falcon", "garnet", "harbor", "iris", "juniper",
           "kestrel", "lumen", "maple", "nectar", "orbit", "pepper", "quartz", "raven", "saffron", "tundra"]
@@ -192,8 +197,10 @@ def family_tasks(split: str, *, families: list[str] | None = None, per_family: i
         seeds = range(per_family)
     elif split == "heldout":
         seeds = HELDOUT_SEEDS
+    elif split == "demos":
+        seeds = range(DEMO_SEED_BASE, DEMO_SEED_BASE + per_family)
     else:
-        raise TaskError(f"task families have the splits 'train' and 'heldout', not {split!r}")
+        raise TaskError(f"task families have the splits 'train', 'heldout' and 'demos', not {split!r}")
     return [family_task(name, seed, cache_root=cache_root) for seed in seeds for name in names]
 
 

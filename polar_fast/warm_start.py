@@ -1,0 +1,144 @@
+"""A warm start: the policy RL begins from has seen the harness's action format solve tasks.
+
+A base model that never emits a tool call the harness can read gets reward 0 on every rollout,
+so every GRPO group has zero variance and a run trains on nothing. The warm start fixes the
+format, not the task: teacher demonstrations of the generated families' "demos" split (seeds
+apart from train and held-out), each task's one-line reference fix typed by a scripted policy
+(PlaybookEngine) through the real harness, proxy and sandbox, kept only when the tests pass,
+exported as token rows and fine-tuned on with `sft`. RL then trains the result on the train
+split, and held-out eval measures it.
+
+    model_dir = await ensure_warm_start(cfg, emit)   # cached: the second run reuses it
+
+The result is cached under the polar_fast cache by a digest of everything it depends on (base
+weights, harness bundle, recipe, the demo tasks), so the first run pays once (~3-4 min on 2 CPU
+cores) and later runs start at once. Its directory keeps the demonstrations' record log, the
+token rows and report.json beside the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from polar_fast.config import Config
+from polar_fast.errors import PolarError
+
+RECIPE_VERSION = 1  # bump when what a demonstration holds changes: cached warm starts are rebuilt
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent's end-of-task command
+
+
+class WarmStartError(PolarError):
+    """The warm start cannot be built (no teacher script for the harness, demonstrations failed)."""
+
+
+def bash_call(command: str) -> str:
+    """A bash tool call as SmolLM2 / Hermes-style models write it (the proxy's tool-call parser)."""
+    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+
+
+def teacher_replies(harness: str, fix: str) -> list[str]:
+    """What the teacher types in `harness` to solve a task whose fix is the shell command `fix`."""
+    if harness == "mini-swe-agent":
+        return [bash_call(fix), bash_call(SUBMIT)]
+    raise WarmStartError(f"warm_start: no teacher script for harness {harness!r} (supported: mini-swe-agent); "
+                         "set warm_start.demos = 0")
+
+
+def demo_tasks(cfg: Config):
+    from polar_fast.rollouts.tasks import load_tasks
+
+    if cfg.tasks.source != "families":
+        raise WarmStartError(f"warm_start needs tasks.source = \"families\" (its teacher types their one-line "
+                             f"fixes); tasks.source is {cfg.tasks.source!r}")
+    tasks = load_tasks("families", split="demos", families=cfg.tasks.families or None, per_family=cfg.warm_start.demos)
+    missing = [t.instance_id for t in tasks if not t.solution_command]
+    if missing:
+        raise WarmStartError(f"warm_start: tasks without a teacher fix: {', '.join(missing[:5])}")
+    return tasks
+
+
+def cache_key(cfg: Config, tasks) -> str:
+    """Digest of everything the warm-started weights depend on."""
+    from polar_fast.evaluate import _hash_files
+    from polar_fast.model import model_dir
+    from polar_fast.rollouts.harnesses import bundle_manifest, default_bundle_root, get_harness
+
+    base = model_dir(cfg.model.path)
+    bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
+    bundle = get_harness(cfg.harness.name).install(bundle_root)  # cached: finds the bundle
+    parts = {
+        "recipe": RECIPE_VERSION,
+        "model": _hash_files(sorted(base.glob("*.safetensors"))),
+        "harness": cfg.harness.name, "max_steps": cfg.harness.max_steps,
+        "bundle": bundle_manifest(bundle),
+        "warm_start": msgspec.to_builtins(cfg.warm_start), "sft_seed": cfg.sft.seed,
+        "learner": [cfg.learner.grad_clip, cfg.learner.weight_decay, cfg.merge.layout],
+        "tasks": [[t.instance_id, t.problem_statement, t.solution_command] for t in tasks],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+async def ensure_warm_start(cfg: Config, emit: Callable[[str, dict], None] | None = None) -> tuple[Path, dict]:
+    """(model dir, report) of cfg's warm start, built now unless the cache has it."""
+    from polar_fast.model import cache_root
+
+    emit = emit or (lambda kind, data: None)
+    tasks = await asyncio.to_thread(demo_tasks, cfg)
+    teacher_replies(cfg.harness.name, "true")  # an unsupported harness fails before any work
+    key = await asyncio.to_thread(cache_key, cfg, tasks)
+    root = cache_root() / "warm_start" / key
+    if (root / "report.json").is_file():
+        report = json.loads((root / "report.json").read_text())
+        emit("info", {"message": f"warm start: cached ({report['demos_kept']} demonstrations, nll "
+                                 f"{report['nll_before']:.3f} -> {report['nll_after']:.3f}) at {root}"})
+        return root / "model", {**report, "cached": True}
+    started = time.perf_counter()
+    work = root.parent / f".{key}.{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    report = await _build(cfg, tasks, work, emit)
+    report["duration_s"] = round(time.perf_counter() - started, 1)
+    (work / "report.json").write_text(json.dumps(report, indent=1))
+    try:
+        work.rename(root)
+    except OSError:  # a parallel run built the same one first: its copy is as good
+        shutil.rmtree(work, ignore_errors=True)
+    return root / "model", {**report, "cached": False}
+
+
+async def _build(cfg: Config, tasks, work: Path, emit) -> dict:
+    from polar_fast.engines.scripted import PlaybookEngine
+    from polar_fast.evaluate import run_eval
+    from polar_fast.export import export_run
+    from polar_fast.learner.sft import run_sft
+    from polar_fast.model import load_tokenizer
+
+    ws = cfg.warm_start
+    emit("info", {"message": f"warm start: {len(tasks)} teacher demonstrations through {cfg.harness.name} "
+                             f"(built once, then cached)"})
+    tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
+    plays = {t.problem_statement: [teacher_replies(cfg.harness.name, t.solution_command)] for t in tasks}
+    demo_cfg = msgspec.structs.replace(cfg, tasks=msgspec.structs.replace(cfg.tasks, per_family=ws.demos))
+    demos = await run_eval(demo_cfg, split="demos", samples=1, ks=[1], run_dir=work / "demos",
+                           engine_for=lambda c: PlaybookEngine(plays, tok), emit=emit)
+    [scored] = demos.harnesses
+    kept = sum(t.passed for t in scored.per_task)
+    if kept == 0:
+        raise WarmStartError(f"warm start: none of the {len(tasks)} teacher demonstrations passed its tests; "
+                             f"the records are in {work / 'demos'}")
+    exported = await asyncio.to_thread(export_run, work / "demos" / cfg.harness.name, work / "sft_data", min_reward=1.0)
+    emit("info", {"message": f"warm start: {kept}/{len(tasks)} demonstrations passed; {exported}"})
+    sft_cfg = msgspec.structs.replace(cfg, sft=msgspec.structs.replace(cfg.sft, rows_per_step=ws.rows_per_step))
+    sft = await asyncio.to_thread(run_sft, sft_cfg, work / "sft_data", out_dir=work / "model", epochs=ws.epochs,
+                                  lr=ws.lr, emit=emit, measure=False)
+    return {"demos": len(tasks), "demos_kept": kept, "rows": sft.rows, "trained_tokens": sft.trained_tokens,
+            "forwarded_tokens": sft.tokens, "sft_steps": sft.steps, "nll_before": sft.nll_before,
+            "nll_after": sft.nll_after, "sft_s": round(sft.duration_s, 1)}

@@ -1,0 +1,46 @@
+"""The default configuration learns: run.toml as shipped (warm start, seeded sampling, generated
+tasks, the real SmolLM2 weights in the embedded engine, mini-swe-agent in a local sandbox), cut to
+one GRPO step without the final eval. The step must train on sampled tokens of a group whose
+rewards differ: a run that trains on 0 tokens is not a training run.
+
+The warm start is built on first use (~4 min on 2 cores) and cached, so after the README's first
+command this test reuses it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from polar_fast.config import load_config
+from polar_fast.records import read_log
+from polar_fast.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+async def test_the_default_run_trains_on_sampled_tokens_of_a_group_with_reward_variance(tmp_path):
+    cfg = load_config(ROOT / "run.toml", [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "eval.every_steps=0"])
+    assert cfg.sampling.seed is not None and cfg.warm_start.demos > 0  # seeded, warm-started: the shipped setup
+    summary = await train(cfg)
+
+    assert summary.warm_start["demos_kept"] == summary.warm_start["demos"] > 0
+    assert summary.warm_start["nll_after"] < summary.warm_start["nll_before"]
+    [step] = summary.steps
+    assert step["learner/n_terms"] > 0 and step["merge/tokens_forwarded"] > 0 and step["learner/grad_norm"] > 0
+    assert step["learner/version"] == 1
+
+    run = tmp_path / "run"
+    decisions = [json.loads(line) for line in (run / "groups.jsonl").read_text().splitlines()]
+    [trained] = [d["group_id"] for d in decisions if d["status"] == "trained"]
+    contents = await anyio.to_thread.run_sync(read_log, run / "records.log")
+    rewards = [r.reward for r in contents.rollouts if r.group_id == trained and r.reward is not None]
+    assert len(rewards) == cfg.pools.group_size and len(set(rewards)) == 2, rewards
+    # each call sampled under its own seed: the group's first calls share a prompt, not their samples
+    firsts = [c.completion_ids for c in contents.calls if c.group_id == trained and c.call_index == 0]
+    assert len({tuple(f) for f in firsts}) > 1
