@@ -184,6 +184,15 @@ class _Loop:
             finally:
                 pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
                 status.cancel()
+        # the last eval runs alone: rollouts for a step that will never come would only slow it down
+        if self._evaluates(self.learner.step_count, final=True) and not self.summary.stopped_early:
+            await self.evaluator.run(self.learner.step_count)
+
+    def _evaluates(self, step: int, *, final: bool = False) -> bool:
+        every, last = self.cfg.eval.every_steps, self.cfg.run.steps
+        if not every or self.evaluator is None or not step:
+            return False
+        return step == last if final else (step % every == 0 and step < last)
 
     async def on_group(self, group) -> None:
         calls = self.agent.take_calls([r.rollout_id for r in group.rollouts], group.group_id)
@@ -272,8 +281,7 @@ class _Loop:
                                         + [(g.group.group_id, "skipped") for g in skipped])
         self.summary.steps.append(flat)
         self.emit("step", flat)
-        every = self.cfg.eval.every_steps
-        if every and self.evaluator and (step.step % every == 0 or step.step == self.cfg.run.steps):
+        if self._evaluates(step.step):
             await self.evaluator.run(step.step)
 
     async def _report_status(self) -> None:
