@@ -211,7 +211,10 @@ def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
         model = load_model(base_path, dtype="float32", device="cpu")
-        model.load_state_dict(payload["model"])
+        state = payload["model"]
+        if all(k.startswith("lm.") for k in state):  # the learner saves its PackedLM wrapper
+            state = {k[len("lm."):]: v for k, v in state.items()}
+        model.load_state_dict(state)
     except (KeyError, RuntimeError, OSError, EOFError) as e:
         raise EvalError(f"checkpoint {path}: cannot load it into model {base_path or 'default'}: {e}") from None
     model.save_pretrained(out)

@@ -110,3 +110,27 @@ def test_eval_cli_reports_a_missing_checkpoint_in_one_line(tmp_path):
                            "--set", "tasks.source=families", "--checkpoint", str(tmp_path / "nope.pt")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "nope.pt does not exist" in done.stderr
+
+
+def test_a_learner_checkpoint_converts_to_a_model_dir_with_the_trained_weights(tmp_path):
+    """`eval --checkpoint runs/x/checkpoints`: the learner saves its PackedLM wrapper (keys under
+    `lm.`); the converted HF dir must hold exactly the learner's weights."""
+    import torch
+    from test_packed_forward import tiny_llama
+
+    from polar_fast.config import LearnerConfig
+    from polar_fast.evaluate import checkpoint_model_dir
+    from polar_fast.grpo import Learner
+    from polar_fast.model import load_model, load_tokenizer
+
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    load_tokenizer().save_pretrained(base)
+    learner = Learner(LearnerConfig(check_packed=False), load_model(str(base)))
+    with torch.no_grad():
+        next(learner.policy.parameters()).add_(1.0)  # as a step would: weights the base does not have
+    learner.save(str(tmp_path / "checkpoints"))
+    out = checkpoint_model_dir(str(tmp_path / "checkpoints"), str(base))
+    converted = load_model(str(out)).state_dict()
+    for name, value in learner.policy.lm.state_dict().items():
+        assert torch.equal(converted[name], value), name
