@@ -96,22 +96,32 @@ async def ensure_warm_start(cfg: Config, emit: Callable[[str, dict], None] | Non
     teacher_replies(cfg.harness.name, "true")  # an unsupported harness fails before any work
     key = await asyncio.to_thread(cache_key, cfg, tasks)
     root = cache_root() / "warm_start" / key
-    if (root / "report.json").is_file():
-        report = json.loads((root / "report.json").read_text())
+    report = await asyncio.to_thread(_cached_report, root)
+    if report is not None:
         emit("info", {"message": f"warm start: cached ({report['demos_kept']} demonstrations, nll "
                                  f"{report['nll_before']:.3f} -> {report['nll_after']:.3f}) at {root}"})
         return root / "model", {**report, "cached": True}
     started = time.perf_counter()
     work = root.parent / f".{key}.{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
+    await asyncio.to_thread(shutil.rmtree, work, True)
     report = await _build(cfg, tasks, work, emit)
     report["duration_s"] = round(time.perf_counter() - started, 1)
+    await asyncio.to_thread(_publish, work, root, report)
+    return root / "model", {**report, "cached": False}
+
+
+def _cached_report(root: Path) -> dict | None:
+    path = root / "report.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _publish(work: Path, root: Path, report: dict) -> None:
+    """report.json last, then one rename: a cache entry is whole or absent."""
     (work / "report.json").write_text(json.dumps(report, indent=1))
     try:
         work.rename(root)
     except OSError:  # a parallel run built the same one first: its copy is as good
         shutil.rmtree(work, ignore_errors=True)
-    return root / "model", {**report, "cached": False}
 
 
 async def _build(cfg: Config, tasks, work: Path, emit) -> dict:

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 async def test_the_default_run_trains_on_sampled_tokens_of_a_group_with_reward_variance(tmp_path):
-    cfg = load_config(ROOT / "run.toml", [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "eval.every_steps=0"])
+    cfg = await anyio.to_thread.run_sync(load_config, ROOT / "run.toml",
+                                         [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "eval.every_steps=0"])
     assert cfg.sampling.seed is not None and cfg.warm_start.demos > 0  # seeded, warm-started: the shipped setup
     summary = await train(cfg)
 
@@ -36,7 +37,8 @@ async def test_the_default_run_trains_on_sampled_tokens_of_a_group_with_reward_v
     assert step["learner/version"] == 1
 
     run = tmp_path / "run"
-    decisions = [json.loads(line) for line in (run / "groups.jsonl").read_text().splitlines()]
+    text = await anyio.to_thread.run_sync((run / "groups.jsonl").read_text)
+    decisions = [json.loads(line) for line in text.splitlines()]
     [trained] = [d["group_id"] for d in decisions if d["status"] == "trained"]
     contents = await anyio.to_thread.run_sync(read_log, run / "records.log")
     rewards = [r.reward for r in contents.rollouts if r.group_id == trained and r.reward is not None]
