@@ -206,15 +206,13 @@ def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
         return out
     import torch
 
+    from polar_fast.learner.checkpoint import lm_state_dict
     from polar_fast.model import load_model, load_tokenizer
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
         model = load_model(base_path, dtype="float32", device="cpu")
-        state = payload["model"]
-        if all(k.startswith("lm.") for k in state):  # the learner saves its PackedLM wrapper
-            state = {k[len("lm."):]: v for k, v in state.items()}
-        model.load_state_dict(state)
+        model.load_state_dict(lm_state_dict(payload))
     except (KeyError, RuntimeError, OSError, EOFError) as e:
         raise EvalError(f"checkpoint {path}: cannot load it into model {base_path or 'default'}: {e}") from None
     model.save_pretrained(out)
@@ -225,19 +223,19 @@ def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
 def collect_provenance(cfg: Config, harnesses: Sequence[str]) -> dict:
     """What a reader needs to reproduce a number: code, harness and model versions."""
     from polar_fast.model import model_dir as resolve_model_dir
-    from polar_fast.rollouts.harnesses import bundle_manifest, default_bundle_root, get_harness
+    from polar_fast.rollouts.harnesses import bundle_manifest, bundle_root, get_harness
 
     root = Path(__file__).resolve().parent.parent
     commit = _git(root, "rev-parse", "HEAD")
     dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no")) if commit else False
-    bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
+    root = bundle_root(cfg.harness.bundle_dir)
     versions = {}
     for name in harnesses:
-        versions[name] = bundle_manifest(get_harness(name).install(bundle_root))  # cached: finds the bundle
+        versions[name] = bundle_manifest(get_harness(name).install(root))  # cached: finds the bundle
     model_dir = resolve_model_dir(cfg.model.path)
     return {
         "git_commit": commit, "git_dirty": dirty, "harnesses": versions,
-        "model": str(model_dir), "model_sha256": _hash_files(sorted(model_dir.glob("*.safetensors"))),
+        "model": str(model_dir), "model_sha256": weights_sha256(model_dir),
         "tokenizer_sha256": _hash_files([p for p in (model_dir / "tokenizer.json",) if p.exists()]),
         "engine": cfg.engine.kind, "tasks": {"source": cfg.tasks.source, "reward": cfg.tasks.reward},
     }
@@ -249,6 +247,11 @@ def _git(root: Path, *args: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over an HF directory's safetensors files, in name order."""
+    return _hash_files(sorted(Path(model_dir).glob("*.safetensors")))
 
 
 def _hash_files(paths: list[Path]) -> str:

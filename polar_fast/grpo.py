@@ -153,6 +153,12 @@ def build_step_batch(
                      reward_mean=float(np.mean(scored)) if scored else math.nan)
 
 
+def trains_on(rollouts: Sequence[RolloutRecord], cfg: LearnerConfig) -> bool:
+    """Whether a step would train on any of these rollouts: the rule build_step_batch applies
+    (scored rollouts, at least two per group, rewards not all equal)."""
+    return bool(losses.rollout_advantages(rollouts, cfg.advantage))
+
+
 def nll_step_batch(
     rows: Sequence[tuple[Sequence[int], Sequence[int]]], *, layout: str = "tree", max_tokens: int = 8192,
     merge_impl: ModuleType | None = None,

@@ -31,7 +31,7 @@ import msgspec
 
 from polar_fast.config import Config, groups_in_flight
 from polar_fast.errors import PolarError
-from polar_fast.grpo import Learner
+from polar_fast.grpo import Learner, trains_on
 from polar_fast.learner import distributed
 from polar_fast.learner.weight_sync import DiskSync, EngineSync
 from polar_fast.records import CALL_CAUSES, CallRecord, Outcome
@@ -232,7 +232,7 @@ class _Loop:
                 if oldest is not None and self.learner.version - oldest > cfg.max_staleness:
                     withheld.append(ready.group.group_id)  # its calls stay in records.log; it just does not train
                     continue
-                if len(skipped) < cfg.zero_variance_skips and _zero_variance(ready):
+                if len(skipped) < cfg.zero_variance_skips and not trains_on(ready.group.rollouts, self.cfg.learner):
                     skipped.append(ready)  # all rewards equal: no advantage, nothing to learn; wait for another
                     continue
                 groups.append(ready)
@@ -311,11 +311,6 @@ def _reward_stats(groups: list[ReadyGroup]) -> dict[str, float]:
         "group_std_mean": statistics.fmean(per_group_std) if per_group_std else 0.0,
         "zero_variance_groups": sum(1 for s in per_group_std if s == 0.0),
     }
-
-
-def _zero_variance(ready: ReadyGroup) -> bool:
-    rewards = {r.reward for r in ready.group.rollouts if r.outcome != Outcome.INFRA_ERROR and r.reward is not None}
-    return len(rewards) <= 1
 
 
 def _cause_counts(rollouts) -> dict[str, dict[str, int]]:

@@ -68,16 +68,14 @@ def demo_tasks(cfg: Config):
 
 def cache_key(cfg: Config, tasks) -> str:
     """Digest of everything the warm-started weights depend on."""
-    from polar_fast.evaluate import _hash_files
+    from polar_fast.evaluate import weights_sha256
     from polar_fast.model import model_dir
-    from polar_fast.rollouts.harnesses import bundle_manifest, default_bundle_root, get_harness
+    from polar_fast.rollouts.harnesses import bundle_manifest, bundle_root, get_harness
 
-    base = model_dir(cfg.model.path)
-    bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
-    bundle = get_harness(cfg.harness.name).install(bundle_root)  # cached: finds the bundle
+    bundle = get_harness(cfg.harness.name).install(bundle_root(cfg.harness.bundle_dir))  # cached: finds it
     parts = {
         "recipe": RECIPE_VERSION,
-        "model": _hash_files(sorted(base.glob("*.safetensors"))),
+        "model": weights_sha256(model_dir(cfg.model.path)),
         "harness": cfg.harness.name, "max_steps": cfg.harness.max_steps,
         "bundle": bundle_manifest(bundle),
         "warm_start": msgspec.to_builtins(cfg.warm_start), "sft_seed": cfg.sft.seed,

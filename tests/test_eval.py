@@ -8,7 +8,6 @@ exactly, including pass@3 of task B (n = 2 < k = 3) and the infra failure kept o
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -21,13 +20,10 @@ from polar_fast.evaluate import EvalError, format_report, pass_at_k, run_eval, s
 from polar_fast.model import load_tokenizer
 from polar_fast.records import Outcome, RolloutRecord
 from polar_fast.rollouts.families import family_tasks
+from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
+from polar_fast.warm_start import bash_call
 
-
-def bash_call(command: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
-
-
-SUBMIT = bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+SUBMIT = bash_call(SUBMIT_COMMAND)
 
 
 def good(task) -> list[str]:

@@ -6,7 +6,6 @@ task's tests, and batches equal to a merge of the calls in records.log."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import msgspec
@@ -20,6 +19,8 @@ from polar_fast.pools import RolloutGroup
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
 from polar_fast.rollouts.service import FRAME_HEADER, RolloutService, decode_batch, open_rollout_service
 from polar_fast.rollouts.tasks import load_builtin
+from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
+from polar_fast.warm_start import bash_call
 
 pytestmark = pytest.mark.anyio
 TASK = load_builtin()[0]
@@ -168,11 +169,7 @@ async def test_non_loopback_needs_a_key(tmp_path):
             pass
 
 
-def bash_call(command: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
-
-
-SUBMIT = bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+SUBMIT = bash_call(SUBMIT_COMMAND)
 FIX = bash_call(f"cat > /tmp/fix.patch <<'POLAR_EOF'\n{TASK.patch}POLAR_EOF\ngit apply /tmp/fix.patch")
 
 

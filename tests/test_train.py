@@ -22,19 +22,17 @@ from polar_fast.config import parse_config
 from polar_fast.records import read_log
 from polar_fast.rollouts.tasks import load_builtin
 from polar_fast.train import RunError, train
+from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
+from polar_fast.warm_start import bash_call
 
 TASK = load_builtin()[0]
-
-
-def bash_call(command: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
 
 
 def fix_command(patch: str) -> str:
     return f"cat > /tmp/fix.patch <<'POLAR_EOF'\n{patch}POLAR_EOF\ngit apply /tmp/fix.patch"
 
 
-SUBMIT = bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+SUBMIT = bash_call(SUBMIT_COMMAND)
 # one group: rollout 0 fixes the bug, rollout 1 looks around and gives up
 GROUP_REPLIES = [bash_call(fix_command(TASK.patch)), SUBMIT, bash_call("ls"), SUBMIT]
 

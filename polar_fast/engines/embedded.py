@@ -69,19 +69,18 @@ class EmbeddedEngine:
         cache, reused = self.prefix_cache.take(prompt)
         cache = cache if cache is not None else DynamicCache()
         step_ids = torch.tensor([prompt[reused:]], dtype=torch.long, device=device)
-        ids: list[int] = []
-        logprobs: list[float] = []
         with torch.inference_mode():
-            finish = self._decode(step_ids, cache, sampling, stop, generator, ids, logprobs)
+            ids, logprobs, finish = self._decode(step_ids, cache, sampling, stop, generator)
         if ids:  # the cache now holds the prompt and every sampled token but the last (never fed)
             self.prefix_cache.put(prompt + ids[:-1], cache)
         return ids, logprobs, finish
 
-    def _decode(self, step_ids, cache, sampling: Sampling, stop, generator, ids: list[int],
-                logprobs: list[float]) -> str:
+    def _decode(self, step_ids, cache, sampling: Sampling, stop, generator) -> tuple[list[int], list[float], str]:
         import torch
 
         device = self._engine_cfg.device
+        ids: list[int] = []
+        logprobs: list[float] = []
         for _ in range(sampling.max_tokens):
             out = self.model(input_ids=step_ids, cache=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1].float()  # (V,)
@@ -90,9 +89,9 @@ class EmbeddedEngine:
             scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
             logprobs.append(torch.log_softmax(scaled, dim=-1)[token].item())
             if token in stop:
-                return "stop"
+                return ids, logprobs, "stop"
             step_ids = torch.tensor([[token]], dtype=torch.long, device=device)
-        return "length"
+        return ids, logprobs, "length"
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None, *, version: int

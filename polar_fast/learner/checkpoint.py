@@ -69,6 +69,15 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return Path(directory) / marker.read_text().strip() if marker.exists() else None
 
 
+def lm_state_dict(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights keyed as the HF model names them: the learner saves its PackedLM
+    wrapper, whose parameters sit under `lm.`."""
+    state = payload["model"]
+    if state and all(k.startswith("lm.") for k in state):
+        return {k[len("lm."):]: v for k, v in state.items()}
+    return state
+
+
 def load_checkpoint(
     path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int]:

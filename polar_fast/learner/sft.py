@@ -103,9 +103,7 @@ def run_sft(cfg: Config, data: str | Path, *, out_dir: str | Path, epochs: int |
             losses.append(metrics.loss)
             emit("info", {"message": f"sft epoch {epoch + 1}/{epochs} step {steps}: nll {metrics.loss:.4f}"})
         epoch_nll.append(sum(losses) / len(losses))
-    after = learner.nll(everything) if measure else float("nan")
-    if not measure:
-        before, after = epoch_nll[0], epoch_nll[-1]
+    before, after = (before, learner.nll(everything)) if measure else (epoch_nll[0], epoch_nll[-1])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     learner.policy.lm.save_pretrained(out)

@@ -104,14 +104,13 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
                          engine: Engine | None = None) -> AsyncIterator[Rollouts]:
     from polar_fast.engines import build_engine
     from polar_fast.proxy import open_proxy
-    from polar_fast.rollouts.harnesses import default_bundle_root, get_harness
+    from polar_fast.rollouts.harnesses import bundle_root, get_harness
     from polar_fast.rollouts.sandboxes import sandbox_class
 
     emit = emit or (lambda kind, data: None)
     harness = get_harness(cfg.harness.name)
-    bundle_root = Path(cfg.harness.bundle_dir) if cfg.harness.bundle_dir else default_bundle_root()
     emit("info", {"message": f"installing harness {harness.name} (cached after the first run)"})
-    bundle = await asyncio.to_thread(harness.install, bundle_root)
+    bundle = await asyncio.to_thread(harness.install, bundle_root(cfg.harness.bundle_dir))
     if engine is None:
         emit("info", {"message": f"loading the model for the {cfg.engine.kind} engine"})
         engine = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)

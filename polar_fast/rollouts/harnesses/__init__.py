@@ -19,7 +19,7 @@ from typing import Protocol
 
 import msgspec
 
-from polar_fast.rollouts.harnesses.bundles import MANIFEST, BundleError, default_bundle_root
+from polar_fast.rollouts.harnesses.bundles import MANIFEST, BundleError, bundle_root, default_bundle_root
 
 
 class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,4 +81,4 @@ def get_harness(name: str) -> Harness:
 
 
 __all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "ModelLimits", "bundle_manifest",
-           "default_bundle_root", "get_harness"]
+           "bundle_root", "default_bundle_root", "get_harness"]

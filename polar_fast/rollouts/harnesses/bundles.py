@@ -53,6 +53,11 @@ def default_bundle_root() -> Path:
     return Path.home() / ".cache" / "polar_fast" / "harnesses"
 
 
+def bundle_root(bundle_dir: str) -> Path:
+    """Where harness bundles live for `harness.bundle_dir` ("" = the default cache)."""
+    return Path(bundle_dir) if bundle_dir else default_bundle_root()
+
+
 def build_bundle(bundle_root: Path, name: str, spec: dict, build: Callable[[Path], None],
                  check_argv: list[str]) -> Path:
     """Return `bundle_root/<name>-<key>`, building it with `build(tmp_dir)` if not cached.
