@@ -92,6 +92,8 @@ class Session:
     last_exchange: tuple[int, list[Message]] = (-1, [])
     n_calls: int = 0
     engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
+    record_failures: int = 0  # calls answered but not recorded (disk full): also infra, never the agent's
+    failing_calls: int = 0  # engine or record failures since the last recorded call: the harness gave up on them
     # why calls went wrong, for the zero-reward metrics (records.CALL_CAUSES); counted as they happen
     causes: dict[str, int] = field(default_factory=dict)
     # texts the harness puts in its next request when it rejects a reply's format (Harness.format_error_markers)
@@ -127,6 +129,7 @@ class ProxyState:
     sessions: dict[str, Session] = field(default_factory=dict)
     base_url: str = ""
     errors: dict[int, int] = field(default_factory=dict)  # replies by error status
+    calls_in_flight: int = 0  # model calls received and not yet answered (run status, chaos tests)
     # Whole renders (first calls, no match: tens of ms for a long prompt) queue here, apart from the
     # short suffix tokenisations of exact calls, so a burst of new sessions never holds up the
     # sessions already running. None: the loop's default executor.
@@ -356,8 +359,14 @@ async def _generate(state: ProxyState, session: Session, prompt_ids: Sequence[in
     try:
         return await _engine_generate(state, session, prompt_ids, sampling)
     except EngineError:
-        session.engine_failures += 1
+        _engine_failed(session)
         raise
+
+
+def _engine_failed(session: Session) -> None:
+    session.engine_failures += 1
+    session.failing_calls += 1
+    session.count("engine_failure")
 
 
 async def _engine_generate(state: ProxyState, session: Session, prompt_ids: Sequence[int], sampling: Sampling):
@@ -379,8 +388,16 @@ async def _engine_generate(state: ProxyState, session: Session, prompt_ids: Sequ
 
 
 async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResponse:
-    started_at, t0 = time.time(), time.perf_counter()
     state = request.app[STATE]
+    state.calls_in_flight += 1
+    try:
+        return await _answer(request, dialect, state)
+    finally:
+        state.calls_in_flight -= 1
+
+
+async def _answer(request: web.Request, dialect: ModuleType, state: ProxyState) -> web.StreamResponse:
+    started_at, t0 = time.time(), time.perf_counter()
     session = _session(request)
     conv = session.parse(dialect, await _body(request))
     _count_format_errors(session, conv)
@@ -433,7 +450,7 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
         temperature=temperature,
         harness_sampling=HarnessSampling(temperature=conv.temperature, top_p=conv.top_p, max_tokens=conv.max_tokens),
     )
-    session.n_calls += 1
+    session.n_calls += 1  # before the await: concurrent calls of a session (sub-agents) get distinct indices
     reply_message = completion.as_message()
     exchange = _exchange(state, session, record.call_index, conv, reply_message, dialect)
     # Both in one write of the writer (the exchange feeds SFT export).
@@ -441,7 +458,12 @@ async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResp
     try:
         await state.recorder.put(call_frame, exchange)
     except Exception as e:
+        # the harness never sees this reply; its retry is a new call (this index stays unused)
+        session.record_failures += 1
+        session.failing_calls += 1
+        session.count("record_failure")
         raise RecordFailed(f"the call could not be recorded ({type(e).__name__}: {e}); no reply goes out without its record, retry") from e
+    session.failing_calls = 0  # the harness got past any failure before this call
     # Only a call on disk becomes a base: later records store their prompts as deltas from it.
     session.call_frames.append(call_frame)
     session.last_exchange = (record.call_index, conv.messages)
@@ -486,7 +508,11 @@ async def _complete_in_engine(state: ProxyState, session: Session, conv: Convers
         async with asyncio.timeout(state.cfg.engine.timeout_s):
             reply = await chat_fn(messages, [template_tool(t) for t in conv.tools], sampling, session_id=session.session_id)
     except TimeoutError:
+        _engine_failed(session)
         raise EngineTimeout(f"no generation within {state.cfg.engine.timeout_s} s") from None
+    except EngineError:
+        _engine_failed(session)
+        raise
     m = reply.message
     calls = tuple(
         ToolCall(id=_call_id(dialect), name=str(c["function"]["name"]), arguments=str(c["function"]["arguments"]))

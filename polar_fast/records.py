@@ -105,7 +105,9 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
 #   format_error        the harness rejected a reply's format (it says so in its next request)
 #   context_length      a prompt that did not fit the model's context
 #   truncated           a reply cut at max_tokens (finish_reason "length")
-CALL_CAUSES = ("tool_parse_failure", "no_tool_call", "format_error", "context_length", "truncated")
+CALL_CAUSES = ("tool_parse_failure", "no_tool_call", "format_error", "context_length", "truncated",
+               # infra faults the harness saw as an error reply (and may have retried past)
+               "engine_failure", "record_failure")
 
 
 class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):

@@ -209,12 +209,15 @@ class _Loop:
         self.summary.outcomes[rollout.outcome.value] = self.summary.outcomes.get(rollout.outcome.value, 0) + 1
 
     async def _next_group(self) -> ReadyGroup | None:
-        """The next finished group, or None once a stop was requested."""
+        """The next finished group, or None once a stop was requested (also when groups are
+        ready: a stop asked during a step or its weight sync ends the run after that step)."""
+        if self.stop.is_set():
+            return None
         get = asyncio.ensure_future(self.ready.get())
         stopped = asyncio.ensure_future(self.stop.wait())
         done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
-        if get in done:
+        if get in done and not self.stop.is_set():
             return get.result()
         get.cancel()
         return None
@@ -291,7 +294,8 @@ class _Loop:
                 "queued": stats.boot.queued, "booting": stats.boot.running, "running": stats.agent.running,
                 "evaluating": stats.eval.running, "rollouts_done": stats.rollouts_done,
                 "stragglers": stats.stragglers, "oldest_straggler_s": round(stats.oldest_straggler_s, 1),
-                "groups_ready": self.ready.qsize(), "step": self.learner.step_count, "version": self.learner.version,
+                "groups_ready": self.ready.qsize(), "calls_in_flight": self.proxy.state.calls_in_flight,
+                "step": self.learner.step_count, "version": self.learner.version,
             })
             await asyncio.sleep(1.0)
 

@@ -46,7 +46,7 @@ class Progress:
             return
         if kind == "status":
             detail = (f"queued {data['queued']}  booting {data['booting']}  running {data['running']}  "
-                      f"evaluating {data['evaluating']}  ready groups {data['groups_ready']}  "
+                      f"model calls {data.get('calls_in_flight', 0)}  evaluating {data['evaluating']}  ready groups {data['groups_ready']}  "
                       f"policy v{data['version']}")
             self._bar.update(self._status, completed=data["rollouts_done"], detail=detail)
             self._bar.update(self._steps, completed=data["step"])

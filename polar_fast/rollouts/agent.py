@@ -124,9 +124,13 @@ class HarnessAgent:
         output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
         failed = result.exit_code != 0 or result.timed_out
         infra = ""
-        if failed and session.engine_failures:
-            # the harness gave up because the engine did not answer: the pools retry the rollout
-            # instead of scoring it 0
-            infra = f"the engine failed {session.engine_failures} of this rollout's model calls"
+        if failed and session.failing_calls:
+            # the harness gave up because the engine did not answer or its calls could not be
+            # recorded: the pools retry the rollout instead of scoring it 0. A harness that got
+            # past such a failure (its own retry was answered) is scored as usual.
+            infra = "; ".join(text for n, text in (
+                (session.engine_failures, f"the engine failed {session.engine_failures} of this rollout's model calls"),
+                (session.record_failures, f"{session.record_failures} of its calls could not be recorded"),
+            ) if n)
         return AgentResult(exit_code=result.exit_code, timed_out=result.timed_out, n_calls=session.n_calls,
                            infra_error=infra, output_tail=output, causes=dict(session.causes))
