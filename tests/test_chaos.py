@@ -10,17 +10,31 @@ and one group in flight the rollouts take the scripted replies in this order:
     g0-r0.a1   the retry floods the harness's own output with 30 MB (written to its parent's
                stdout, past the 8 MiB tail the sandbox keeps), then applies the task's fix and
                submits (reward 1).
+
+The other faults, each in a run of its own:
+    disk full  the disk holding records.log (a small tmpfs) fills while a command runs; the next
+               call cannot be recorded (503), mini-swe-agent retries it once space is back;
+    SIGTERM    arrives while the learner pushes its weights: the sync finishes, the run stops
+               with a checkpoint, and a resumed run trains the next step;
+    SIGSTOP    the real vLLM is stopped with a call in flight, past engine.timeout_s, then
+               continued: the proxy answers the harness with a timeout, the harness retries.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 import subprocess
+from pathlib import Path
 
 import anyio
 import pytest
-from test_train import SUBMIT, TASK, bash_call, fix_command, raw_config  # the same scripted run
+from test_train import GROUP_REPLIES, SUBMIT, TASK, bash_call, fix_command, raw_config  # the same scripted run
 
 from polar_fast.config import parse_config
+from polar_fast.engines.scripted import ScriptedEngine
+from polar_fast.model import load_tokenizer
 from polar_fast.records import Outcome, read_log
 from polar_fast.train import train
 
@@ -88,3 +102,258 @@ async def test_container_killed_and_harness_hung_mid_run(tmp_path, docker_requir
     # no container of the run is left
     left = await anyio.to_thread.run_sync(_docker, "ps", "-aq", "--filter", f"label=polar_fast.run={run_id}")
     assert left.split() == []
+
+
+def _left_containers(run_id: str) -> list[str]:
+    return _docker("ps", "-aq", "--filter", f"label=polar_fast.run={run_id}").split()
+
+
+async def _when_running(run_id: str, marker: str) -> None:
+    """Returns once the marked command runs in one of the run's containers."""
+    while True:
+        ids = (await anyio.to_thread.run_sync(_docker, "ps", "-q", "--filter", f"label=polar_fast.run={run_id}")).split()
+        for cid in ids:
+            if marker in await anyio.to_thread.run_sync(_docker, "top", cid, "-eo", "pid,args"):
+                return
+        await anyio.sleep(0.2)
+
+
+def _run_dir_linking(out: Path, name: str, target: Path) -> None:
+    out.mkdir()
+    (out / name).symlink_to(target)
+
+
+def _fill(directory: Path) -> Path:
+    """Writes a file until the file system refuses (ENOSPC); returns it."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        chunk = b"\0" * 65536
+        while True:
+            try:
+                if os.write(fd, chunk) < len(chunk):
+                    chunk = chunk[: max(len(chunk) // 2, 1)]
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                if len(chunk) == 1:
+                    return filler
+                chunk = chunk[: len(chunk) // 2]
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (real ENOSPC from a real file system); needs root, as CI runs."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+FILL_MARK = "polar-chaos-diskfull"
+# ~7.6 kB of words: the next call's record is several pages, so no page left half-free can hold it
+FILL = bash_call(f"sleep 4 # {FILL_MARK}\nyes polar-chaos-filler-line | head -n 400")
+AGAIN = bash_call("echo answered after the disk had room again")
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(600)
+async def test_the_record_disk_fills_mid_run(tmp_path, docker_required, base_image, small_disk):
+    from polar_fast.rollouts.stack import run_id_for
+
+    # r0: FILL, then AGAIN (its record fails: the harness gets a 503), AGAIN (its retry), fix, submit;
+    # a second failed try takes the second AGAIN, and the fix still reaches the harness
+    replies = [FILL, AGAIN, AGAIN, bash_call(fix_command(TASK.patch)), SUBMIT, bash_call("ls"), SUBMIT]
+    raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none"},
+                     run={"groups_in_flight": 1, "tensorboard": False})
+    cfg = parse_config(raw)
+    out = tmp_path / "run"  # the log's disk is the small one
+    await anyio.to_thread.run_sync(_run_dir_linking, out, "records.log", small_disk / "records.log")
+    engine = ScriptedEngine(replies, await anyio.to_thread.run_sync(load_tokenizer, cfg.model.path))
+    run_id = await anyio.to_thread.run_sync(run_id_for, out)
+    filled: list[Path] = []
+
+    async def fill_then_free() -> None:
+        await _when_running(run_id, FILL_MARK)
+        filled.append(await anyio.to_thread.run_sync(_fill, small_disk))
+        while engine.remaining() > len(replies) - 2:  # the engine answered the call after FILL...
+            await anyio.sleep(0.05)
+        # ...whose record then failed (ms later). The harness's client retries ~0.4 s on, so
+        # space comes back within one or two tries
+        await anyio.sleep(0.3)
+        await anyio.to_thread.run_sync(filled[0].unlink)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fill_then_free)
+        with anyio.fail_after(500):
+            summary = await train(cfg, engine=engine)
+        tg.cancel_scope.cancel()
+
+    assert len(filled) == 1  # the disk was full while the marked command ran
+    [step] = summary.steps  # the run continued and trained its group
+    assert step["learner/step"] == 1 and step["outcomes/ok"] == 2 and step["outcomes/infra_error"] == 0
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0
+    g = f"{TASK.instance_id}-g0"
+    final = {r.rollout_id: r for r in contents.rollouts if r.group_id == g}
+    r0 = final[f"{g}-r0"]
+    # the harness got past the failure: scored as usual (reward untouched), its failed calls counted
+    failed = r0.causes["record_failure"]
+    assert (r0.outcome, r0.reward) == (Outcome.OK, 1.0) and failed in (1, 2)
+    assert (final[f"{g}-r1"].outcome, final[f"{g}-r1"].reward) == (Outcome.OK, 0.0)
+    # every answered call is in the log: r0's 5 engine replies but the unrecorded ones, r1's 2
+    calls = [c for c in contents.calls if c.group_id == g]
+    assert sum(c.rollout_id == f"{g}-r0" for c in calls) == 5 - failed
+    assert sum(c.rollout_id == f"{g}-r1" for c in calls) == 2
+    assert await anyio.to_thread.run_sync(_left_containers, run_id) == []
+
+
+class _TermDuringSync(ScriptedEngine):
+    """Sends this process SIGTERM from inside the learner's first weight push, which then takes
+    a moment more: the signal lands while the sync is live."""
+
+    terms = 0
+
+    async def update_weights(self, named_tensors, *, version: int) -> None:
+        if version == 1 and not self.terms:
+            # without the run's handler SIGTERM would end pytest: refuse rather than send it
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            self.terms += 1
+            os.kill(os.getpid(), signal.SIGTERM)
+            await anyio.sleep(0.5)
+        await super().update_weights(named_tensors, version=version)
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(600)
+async def test_sigterm_during_a_weight_sync_stops_then_resumes(tmp_path, docker_required, base_image):
+    from polar_fast.rollouts.stack import run_id_for
+
+    raw = raw_config(tmp_path, steps=2, sandbox={"kind": "docker", "network": "none"},
+                     run={"groups_in_flight": 1, "tensorboard": False, "checkpoint_every": 10})
+    cfg = parse_config(raw)
+    out = tmp_path / "run"
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model.path)
+    first = _TermDuringSync(GROUP_REPLIES * 2, tokenizer)  # enough for a group that starts meanwhile
+    with anyio.fail_after(300):
+        stopped = await train(cfg, engine=first)
+    run_id = await anyio.to_thread.run_sync(run_id_for, out)
+
+    assert first.terms == 1 and first.policy_version == 1  # the signal came mid-sync; the sync finished
+    assert stopped.stopped_early and [s["learner/step"] for s in stopped.steps] == [1]
+    assert Path(stopped.checkpoint).name == "step_1.pt"  # saved at the step it stopped after
+    assert await anyio.to_thread.run_sync(_left_containers, run_id) == []
+    calls_before = len((await anyio.to_thread.run_sync(read_log, out / "records.log")).calls)
+
+    second = ScriptedEngine(GROUP_REPLIES * 2, tokenizer)
+    with anyio.fail_after(300):
+        resumed = await train(cfg, resume=True, engine=second)
+    assert [s["learner/step"] for s in resumed.steps] == [2] and not resumed.stopped_early
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0 and len(contents.calls) >= calls_before + 4
+    # the resumed engine serves the checkpointed policy from its first call: none is stamped 0
+    assert min(c.policy_version for c in contents.calls[calls_before:]) == 1
+    assert [s["outcomes/infra_error"] for s in [*stopped.steps, *resumed.steps]] == [0, 0]
+    assert await anyio.to_thread.run_sync(_left_containers, run_id) == []
+
+
+STALL_TIMEOUT_S = 20.0  # engine.timeout_s of the SIGSTOP run: a real call here takes a few seconds
+HOLD_S = STALL_TIMEOUT_S + 8  # stopped past the timeout; mini-swe-agent retries 4 s after an error
+
+
+def _vllm_process_group(run_dir: Path) -> int:
+    """The session vLLM's process group (the launcher starts it as a group leader serving run_dir/weights)."""
+    needle = str(run_dir / "weights").encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and any(needle in a for a in argv):
+            return os.getpgid(int(proc.name))
+    raise AssertionError(f"no vLLM process serves {run_dir}")
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(900)
+async def test_the_real_vllm_stopped_mid_call(real_vllm, tmp_path, docker_required, base_image):
+    from safetensors.torch import load_file
+    from test_vllm_real import engine_for, served_version
+
+    from polar_fast.learner.weight_sync import DiskSync
+    from polar_fast.rollouts.stack import run_id_for
+
+    out = tmp_path / "run"  # DiskSync writes what the server loads
+    await anyio.to_thread.run_sync(_run_dir_linking, out, "weights", real_vllm.weights.parent)
+    cfg = parse_config({
+        "run": {"output_dir": str(out), "steps": 1, "groups_per_step": 1, "groups_in_flight": 1,
+                "tensorboard": False, "zero_variance_skips": 0},  # the base model scores 0: train what comes
+        "engine": {"kind": "vllm", "url": real_vllm.url, "timeout_s": STALL_TIMEOUT_S},
+        "sampling": {"max_tokens": 8},
+        "sandbox": {"kind": "docker", "network": "none"},
+        "harness": {"name": "mini-swe-agent", "max_steps": 2, "timeout_s": 600},
+        "pools": {"group_size": 2, "agent_workers": 1, "boot_workers": 1, "eval_workers": 1, "prewarm": 0},
+        "tasks": {"limit": 1},
+    })
+    original = await anyio.to_thread.run_sync(load_file, str(real_vllm.weights))
+    pgid = await anyio.to_thread.run_sync(_vllm_process_group, real_vllm.run_dir)
+    run_id = await anyio.to_thread.run_sync(run_id_for, out)
+    in_flight: list[int] = []
+    stopped: list[int] = []
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "status":
+            in_flight.append(data["calls_in_flight"])
+
+    async def stop_mid_call() -> None:
+        while not (in_flight and in_flight[-1] > 0):  # the proxy reports a call waiting on the engine
+            await anyio.sleep(0.05)
+        os.killpg(pgid, signal.SIGSTOP)
+        stopped.append(in_flight[-1])
+        try:
+            await anyio.sleep(HOLD_S)
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_mid_call)
+            with anyio.fail_after(800):
+                summary = await train(cfg, on_event=on_event)
+            tg.cancel_scope.cancel()
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+        engine = engine_for(real_vllm)  # the original weights served again for the other tests
+        engine.policy_version = await served_version(real_vllm.url)
+        await DiskSync(engine, real_vllm.weights.parent).push(original.items(), version=engine.policy_version)
+        await engine.aclose()
+
+    assert stopped == [1]  # stopped once, with one call in flight
+    [step] = summary.steps  # the run continued and trained its group
+    assert step["learner/step"] == 1 and step["outcomes/infra_error"] == 0
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0
+    rollouts = [r for r in contents.rollouts if r.outcome != Outcome.INFRA_ERROR]
+    assert len(rollouts) >= 2
+    # the stalled call timed out (answered with the proxy's timeout error); the harness's retries
+    # (its client's own, then mini-swe-agent's 4 s later) reach the engine once it runs again.
+    # Each failed call is counted; the harness got past them, so none is an infra error.
+    assert 1 <= sum(r.causes.get("engine_failure", 0) for r in rollouts) <= 3
+    for r in rollouts:  # every answered call is in the log
+        assert sum(c.rollout_id == r.rollout_id for c in contents.calls) == r.n_calls > 0, r
+    assert await anyio.to_thread.run_sync(_left_containers, run_id) == []
