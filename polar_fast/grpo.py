@@ -49,6 +49,7 @@ from polar_fast.config import Config, LearnerConfig
 from polar_fast.learner import losses, packed_attention, packed_check
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.learner.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
+from polar_fast.learner.weight_sync import WeightStream
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
 
 LAYOUTS = ("tree", "paths", "percall")
@@ -423,11 +424,30 @@ class Learner:
                 tensor = tensor.full_tensor()
             yield name, tensor.detach()
 
+    def weight_stream(self) -> WeightStream:
+        """The weights to serve, each gathered only when read (collective under FSDP2: every rank
+        must read the whole stream, in order), tied ones once: a parameter reached under a second
+        name (lm_head.weight tied to embed_tokens.weight) is left out, as the model's own
+        checkpoint has it. Decided from the module tree, so every rank leaves out the same."""
+        params = dict(self.policy.lm.named_parameters(remove_duplicate=False))
+        first: dict[int, str] = {}
+        tied = {name for name, p in params.items() if first.setdefault(id(p), name) != name}
+        kept = [(name, t) for name, t in self.policy.lm.state_dict().items() if name not in tied]
+
+        def gathered() -> Iterator[torch.Tensor]:
+            for _, t in kept:
+                yield (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+        return WeightStream([(name, tuple(t.shape)) for name, t in kept], gathered())
+
     async def sync_weights(self, sync: Any) -> None:
         """Push the current weights (rank 0) and stamp them with this learner's version."""
-        pairs = list(self.named_weights())
+        stream = self.weight_stream()
         if self.rank == 0:
-            await sync.push(pairs, version=self.version)
+            await sync.push(stream, version=self.version)
+        else:
+            for _ in stream:  # the gathers are collective
+                pass
 
     def save(self, directory: str) -> str:
         return str(save_checkpoint(directory, model=self.policy, optimizer=self.optimizer,

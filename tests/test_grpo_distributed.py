@@ -60,6 +60,17 @@ def test_two_gloo_ranks_match_single_process(tmp_path):
     assert set(dist_result["weights"]) == set(weights)
     for name, t in weights.items():
         torch.testing.assert_close(dist_result["weights"][name], t, atol=1e-6, rtol=0)
+    # the disk sync's file, written by rank 0 as the ranks gathered one tensor at a time, is the
+    # single process's (same names, shapes and values)
+    from safetensors.torch import load_file
+
+    from polar_fast.learner.weight_sync import save_safetensors
+
+    save_safetensors(lrn.weight_stream(), tmp_path / "single.safetensors")
+    streamed, single = load_file(out.with_suffix(".safetensors")), load_file(tmp_path / "single.safetensors")
+    assert set(streamed) == set(single) == set(weights)
+    for name, t in single.items():
+        torch.testing.assert_close(streamed[name], t, atol=1e-6, rtol=0)
 
 
 if __name__ == "__main__":
@@ -70,6 +81,14 @@ if __name__ == "__main__":
     assert lrn.world == 2
     if dist.get_rank() == 0:
         torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "weights": weights}, sys.argv[1])
+    from polar_fast.learner.weight_sync import save_safetensors
+
+    stream = lrn.weight_stream()  # what DiskSync does under torchrun: rank 0 writes, every rank gathers
+    if dist.get_rank() == 0:
+        save_safetensors(stream, Path(sys.argv[1]).with_suffix(".safetensors"))
+    else:
+        for _ in stream:
+            pass
     from polar_fast.learner.distributed import shutdown
 
     shutdown()

@@ -168,3 +168,34 @@ def test_streamed_safetensors_read_back_as_safetensors_writes_them(tmp_path):
         assert got.keys() == ref.keys() == want.keys()
         for name in want:
             assert got[name].dtype == ref[name].dtype and torch.equal(got[name], ref[name]), (dtype, name)
+
+
+def test_the_learners_weight_stream_announces_shapes_leaves_out_tied_weights_and_gathers_lazily(tmp_path):
+    from safetensors.torch import load_file
+    from test_packed_forward import tiny_llama
+
+    from polar_fast.config import LearnerConfig
+    from polar_fast.grpo import Learner
+    from polar_fast.learner.weight_sync import WeightStream, save_safetensors
+
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2 and Qwen3.5-4B are
+    lrn = Learner(LearnerConfig(lr=1e-3), model, layout="tree", max_tokens=64)
+    stream = lrn.weight_stream()
+    names = [n for n, _ in stream.specs]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert dict(stream.specs) == {n: tuple(t.shape) for n, t in model.state_dict().items() if n != "lm_head.weight"}
+
+    save_safetensors(stream, tmp_path / "model.safetensors")  # from the announced shapes, then the data
+    got = load_file(str(tmp_path / "model.safetensors"))
+    assert set(got) == set(names)
+    for name, t in model.state_dict().items():
+        if name != "lm_head.weight":
+            assert torch.equal(got[name], t), name
+
+    # a tensor that does not match its announced shape fails loudly instead of writing a bad file
+    bad = WeightStream([("w", (2, 2))], iter([torch.zeros(3)]))
+    with pytest.raises(WeightSyncError, match="announced"):
+        save_safetensors(bad, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -8,7 +8,7 @@ Every learner call that is collective under FSDP2 is announced by rank 0 with on
 CPU (gloo) control group, then every rank makes the same call with the same data:
 
     step    (calls, rollouts)  every rank: learner.step(calls, rollouts)
-    sync                       every rank iterates learner.named_weights(); rank 0 pushes them
+    sync                       every rank reads learner.weight_stream(); rank 0 pushes it
     save    directory          every rank: learner.save(directory) (rank 0 writes the file)
     resume  directory          every rank: learner.resume(directory)
     stop                       followers return (rank 0 sends it after the final checkpoint)
@@ -131,8 +131,8 @@ class Leader:
     async def sync_weights(self, sync: Any) -> None:
         """As Learner.sync_weights, with the gathering off the event loop."""
         await asyncio.to_thread(self._send, Message(kind="sync"))
-        pairs = await asyncio.to_thread(lambda: list(self.learner.named_weights()))
-        await sync.push(pairs, version=self.learner.version)
+        # gathered one tensor at a time as the sync reads them (DiskSync: in its writer thread)
+        await sync.push(self.learner.weight_stream(), version=self.learner.version)
 
     def save(self, directory: str) -> str:
         self._send(Message(kind="save", directory=directory))
@@ -174,7 +174,7 @@ def follow(cfg: Config) -> int:
                 learner.step(message.calls, message.rollouts)
                 steps += 1
             case "sync":
-                for _ in learner.named_weights():  # the gathers are the collective part
+                for _ in learner.weight_stream():  # the gathers are the collective part, in rank 0's order
                     pass
             case "save":
                 learner.save(message.directory)

@@ -27,8 +27,9 @@ stamps on every call record it captures afterwards.
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 import aiohttp
 
@@ -38,6 +39,24 @@ if TYPE_CHECKING:
     import torch
 
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+
+class WeightStream:
+    """Named weights whose names and shapes are known before their data. Under FSDP2 a full
+    tensor is gathered only when the stream reaches it (a collective every rank makes, in this
+    order), so no rank holds the whole unsharded model at once: an 8B model's 32 GB of fp32 on
+    GPU 0, beside its shard. DiskSync writes the file's header from `specs`, then one gathered
+    tensor at a time. Tied weights are already left out (Learner.weight_stream)."""
+
+    def __init__(self, specs: list[tuple[str, tuple[int, ...]]], tensors: Iterator[torch.Tensor]) -> None:
+        self.specs = specs
+        self._tensors = tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for (name, shape), t in zip(self.specs, self._tensors, strict=True):
+            if tuple(t.shape) != shape:
+                raise WeightSyncError(f"weight stream: {name} came as {tuple(t.shape)}, announced {shape}")
+            yield name, t
 
 
 class WeightSync(Protocol):
@@ -84,17 +103,21 @@ def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "f
     import torch
 
     target = getattr(torch, dtype)
-    kept, seen = [], set()
-    for name, t in named_tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in seen:
-            seen.add(key)
-            kept.append((name, t))
+    if isinstance(named_tensors, WeightStream):  # gathered as written, never all at once
+        specs, stream = named_tensors.specs, named_tensors
+    else:
+        kept, seen = [], set()
+        for name, t in named_tensors:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key not in seen:
+                seen.add(key)
+                kept.append((name, t))
+        specs, stream = [(name, tuple(t.shape)) for name, t in kept], kept
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset, width = 0, target.itemsize
-    for name, t in kept:
-        n_bytes = t.numel() * width
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n_bytes]}
+    for name, shape in specs:
+        n_bytes = math.prod(shape) * width
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n_bytes]}
         offset += n_bytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
@@ -102,7 +125,7 @@ def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "f
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(len(head).to_bytes(8, "little") + head)
-        for _, t in kept:  # one converted tensor alive at a time
+        for _, t in stream:  # one converted tensor alive at a time
             f.write(t.detach().to("cpu", dtype=target).contiguous().reshape(-1).view(torch.uint8).numpy().data)
     tmp.replace(path)
 
