@@ -262,14 +262,22 @@ class Learner:
         max_tokens: int = 8192,
         merge_impl: ModuleType | None = None,
         temperature: float = 1.0,
+        weights_from: torch.nn.Module | None = None,
     ) -> None:
+        """`model` may have its parameters on the meta device (model.empty_model) when several
+        ranks train it: it is sharded first, then every rank receives only its shard of the
+        weights from rank 0's `weights_from` (the loaded model; None on the other ranks)."""
         self.cfg = cfg
         self.layout = layout
         self.max_tokens = max_tokens
         self.merge_impl = merge_impl
         self.device = torch.device(cfg.device)
         self.rank, self.world = _world()
-        model.to(self.device)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and self.world == 1:
+            raise ValueError("a model on the meta device needs torch.distributed ranks to shard it over")
+        if not on_meta:
+            model.to(self.device)
         attention = _attention_impl(cfg, self.device)
         model.set_attn_implementation(attention)
         if cfg.check_packed and layout != "percall":  # before any step: a layer that leaks stops the run
@@ -286,6 +294,8 @@ class Learner:
         self.policy = PackedLM(model, temperature=temperature)  # the run's sampling temperature
         if self.world > 1:
             self._shard()
+        if on_meta:
+            self._receive_weights(weights_from)
         self.optimizer = torch.optim.AdamW(  # fused: one kernel for all parameters (CPU and CUDA)
             self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
             fused=self.device.type in ("cpu", "cuda"),
@@ -295,11 +305,47 @@ class Learner:
 
     @classmethod
     def from_config(cls, cfg: Config, *, merge_impl: ModuleType | None = None) -> Learner:
-        from polar_fast.model import load_model
+        """Under torchrun only rank 0 reads the weights (into CPU memory); every rank builds the
+        model on the meta device and receives its shard, so no GPU ever holds the whole fp32
+        model and the host holds one copy, not one per rank."""
+        from polar_fast.model import empty_model, load_model
 
-        model = load_model(cfg.model.path, dtype="float32", device="cpu")
-        return cls(cfg.learner, model, layout=cfg.merge.layout, max_tokens=cfg.merge.max_tokens,
-                   merge_impl=merge_impl, temperature=cfg.sampling.temperature)
+        rank, world = _world()
+        options = dict(layout=cfg.merge.layout, max_tokens=cfg.merge.max_tokens, merge_impl=merge_impl,
+                       temperature=cfg.sampling.temperature)
+        if world == 1:
+            return cls(cfg.learner, load_model(cfg.model.path, dtype="float32", device="cpu"), **options)
+        full = load_model(cfg.model.path, dtype="float32", device="cpu") if rank == 0 else None
+        return cls(cfg.learner, empty_model(cfg.model.path, dtype="float32"), weights_from=full, **options)
+
+    def _receive_weights(self, full: torch.nn.Module | None) -> None:
+        """Materialise the sharded meta parameters on this rank's device and fill them from rank 0:
+        each rank keeps only its shard (set_model_state_dict broadcasts tensor by tensor). The
+        buffers no checkpoint holds (rotary frequencies) were built for real; they come along."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if (full is None) != (self.rank != 0):
+            raise ValueError("rank 0, and only rank 0, gives the weights")
+        lm = self.policy.lm
+        buffers = {name: b.detach().clone() for name, b in lm.named_buffers()}
+        self.policy.to_empty(device=self.device)
+        state = full.state_dict() if full is not None else {}
+        set_model_state_dict(lm, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        persistent = set(lm.state_dict())
+        with torch.no_grad():
+            for name, b in lm.named_buffers():
+                if name not in persistent:
+                    b.copy_(buffers[name])
+            if self.ref is not None:  # the frozen reference is whole on every rank: broadcast it
+                self.ref.to_empty(device=self.device)
+                source = full.state_dict() if full is not None else {}  # set_model_state_dict consumed `state`
+                for name, t in self.ref.lm.state_dict().items():
+                    if self.rank == 0:
+                        t.copy_(source[name])
+                    dist.broadcast(t, src=0)
+                for name, b in self.ref.lm.named_buffers():
+                    if name in buffers and name not in persistent:
+                        b.copy_(buffers[name])
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

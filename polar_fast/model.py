@@ -9,6 +9,7 @@ because its __init__ imports dependencies we do not install. Nothing here touche
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -115,3 +116,37 @@ def load_model(path: str = "", *, dtype: str = "float32", device: str = "cpu"):
     where = _pretrained_dir(resolve_model_path(path))
     model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype))
     return model.to(device)
+
+
+def empty_model(path: str = "", *, dtype: str = "float32"):
+    """The causal LM's modules with parameters on the meta device (no memory, no init) and real
+    buffers: what an FSDP2 rank shards before it receives its shard of the weights
+    (grpo.Learner). Buffers are built for real because the non-persistent ones (rotary
+    frequencies) are in no checkpoint."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _offline()
+    config = AutoConfig.from_pretrained(_pretrained_dir(resolve_model_path(path)))
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside goes to the meta device as it is registered (a layer's
+    weight exists for real only until its own constructor returns); buffers stay."""
+    from torch import nn
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
