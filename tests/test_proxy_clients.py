@@ -159,4 +159,6 @@ async def test_embedded_engine_logprobs_match_forward_pass(tmp_path):
     n = len(call.prompt_ids)
     logp = torch.log_softmax(logits[n - 1 : -1], dim=-1)
     expected = logp.gather(1, torch.tensor(call.completion_ids)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(call.completion_logprobs), expected, atol=1e-5, rtol=0)
+    # fp32: a cached decode step and one whole forward sum in different orders (~1e-5 apart on
+    # torch 2.15's CPU kernels); a wrong position, temperature or token is off by far more
+    torch.testing.assert_close(torch.tensor(call.completion_logprobs), expected, atol=1e-4, rtol=0)
