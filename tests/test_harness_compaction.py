@@ -31,6 +31,7 @@ from harness_run import run_on_host
 from test_harness_proxy import MODEL, TOOLS, front, hermes
 
 from polar_fast.engines import Generation, Sampling
+from polar_fast.engines.scripted import ScriptedEngine, scripted_generation
 from polar_fast.merge import merge
 from polar_fast.model import load_tokenizer
 from polar_fast.rollouts.harnesses import ModelLimits, get_harness
@@ -97,10 +98,7 @@ class GrowingEngine:
         text = await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids))
         kind, reply = self._reply(text)
         self.prompts.append((kind, len(prompt_ids)))
-        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        finish = "stop" if len(ids) <= sampling.max_tokens else "length"
-        ids = ids[: sampling.max_tokens]
-        return Generation(token_ids=ids, logprobs=[-0.01 * (i + 1) for i in range(len(ids))], finish_reason=finish)
+        return scripted_generation(ScriptedEngine._to_ids(reply, self.tokenizer), sampling)
 
     async def update_weights(self, named_tensors, *, version: int) -> None:
         self.policy_version = version

@@ -50,6 +50,7 @@ from test_harness_compaction import (  # noqa: E402
 from test_harness_proxy import MODEL, TOOLS, hermes  # noqa: E402
 
 from polar_fast.engines import Generation, Sampling  # noqa: E402
+from polar_fast.engines.scripted import ScriptedEngine, scripted_generation  # noqa: E402
 from polar_fast.model import load_tokenizer, resolve_model_path  # noqa: E402
 from polar_fast.records import CallRecord, RecordLog, Timings, read_log  # noqa: E402
 from polar_fast.rollouts.harnesses import HARNESSES, ModelLimits, default_bundle_root, get_harness  # noqa: E402
@@ -148,10 +149,7 @@ class CaptureEngine:
         text = await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids))
         kind, reply = self._reply(text)
         self.kinds.append(kind)
-        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        finish = "stop" if len(ids) <= sampling.max_tokens else "length"
-        ids = ids[: sampling.max_tokens]
-        return Generation(token_ids=ids, logprobs=[-0.01 * (i + 1) for i in range(len(ids))], finish_reason=finish)
+        return scripted_generation(ScriptedEngine._to_ids(reply, self.tokenizer), sampling)
 
     async def update_weights(self, named_tensors, *, version: int) -> None:
         self.policy_version = version

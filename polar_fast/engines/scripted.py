@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     from polar_fast.config import EngineConfig, ModelConfig
 
 
+def scripted_generation(ids: Sequence[int], sampling: Sampling) -> Generation:
+    """A scripted reply as the engine returns it: cut at `sampling.max_tokens` (finish "length"),
+    with made-up logprobs distinct per position."""
+    ids, finish = list(ids), "stop"
+    if len(ids) > sampling.max_tokens:
+        ids, finish = ids[: sampling.max_tokens], "length"
+    return Generation(token_ids=ids, logprobs=[-0.01 * (i + 1) for i in range(len(ids))], finish_reason=finish)
+
+
 class ScriptedEngine:
     def __init__(
         self,
@@ -62,11 +71,7 @@ class ScriptedEngine:
         ids = self._replies[self._next]
         self._next += 1
         self.prompts.append(prompt_ids)  # kept, not copied (~1e4 ids): a prompt is never mutated once made
-        finish = "stop"
-        if len(ids) > sampling.max_tokens:
-            ids, finish = ids[: sampling.max_tokens], "length"
-        logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
-        return Generation(token_ids=list(ids), logprobs=logprobs, finish_reason=finish)
+        return scripted_generation(ids, sampling)
 
     async def update_weights(self, named_tensors: Iterable | None, *, version: int) -> None:
         self.policy_version = version
@@ -112,10 +117,7 @@ class PlaybookEngine:
             self._sessions[session_id] = (replies, i)
             raise EngineUnavailable("playbook engine: engine down (scripted)")
         self._sessions[session_id] = (replies, i + 1)
-        ids, finish = list(reply), "stop"
-        if len(ids) > sampling.max_tokens:
-            ids, finish = ids[: sampling.max_tokens], "length"
-        return Generation(token_ids=ids, logprobs=[-0.01 * (j + 1) for j in range(len(ids))], finish_reason=finish)
+        return scripted_generation(reply, sampling)
 
     async def update_weights(self, named_tensors: Iterable | None, *, version: int) -> None:
         self.policy_version = version
