@@ -91,8 +91,6 @@ class Session:
     # (call index, request messages) of its last exchange on disk: the next one stores a delta
     last_exchange: tuple[int, list[Message]] = (-1, [])
     n_calls: int = 0
-    engine_failures: int = 0  # calls the engine could not answer: an infra failure, not the agent's
-    record_failures: int = 0  # calls answered but not recorded (disk full): also infra, never the agent's
     failing_calls: int = 0  # engine or record failures since the last recorded call: the harness gave up on them
     # why calls went wrong, for the zero-reward metrics (records.CALL_CAUSES); counted as they happen
     causes: dict[str, int] = field(default_factory=dict)
@@ -106,6 +104,14 @@ class Session:
         if parser is None:
             parser = self.parsers[dialect.NAME] = IncrementalParser(dialect)
         return parser.parse(body)
+
+    @property
+    def engine_failures(self) -> int:  # calls the engine could not answer: an infra failure, not the agent's
+        return self.causes.get("engine_failure", 0)
+
+    @property
+    def record_failures(self) -> int:  # calls answered but not recorded (disk full): also infra
+        return self.causes.get("record_failure", 0)
 
     def count(self, cause: str) -> None:
         self.causes[cause] = self.causes.get(cause, 0) + 1
@@ -364,7 +370,6 @@ async def _generate(state: ProxyState, session: Session, prompt_ids: Sequence[in
 
 
 def _engine_failed(session: Session) -> None:
-    session.engine_failures += 1
     session.failing_calls += 1
     session.count("engine_failure")
 
@@ -459,7 +464,6 @@ async def _answer(request: web.Request, dialect: ModuleType, state: ProxyState) 
         await state.recorder.put(call_frame, exchange)
     except Exception as e:
         # the harness never sees this reply; its retry is a new call (this index stays unused)
-        session.record_failures += 1
         session.failing_calls += 1
         session.count("record_failure")
         raise RecordFailed(f"the call could not be recorded ({type(e).__name__}: {e}); no reply goes out without its record, retry") from e
