@@ -47,6 +47,8 @@ class EngineConfig(_Section):
     launch_python: str = ""  # vllm started by polar_fast: a Python with vLLM ("" = the `vllm` executable)
     pause_mode: Literal["keep", "wait"] = "keep"  # vllm weight sync: in-flight calls frozen (keep) or finished (wait), never aborted
     sync_timeout_s: float = 300.0  # vllm weight sync: limit on each step (pause, reload, reset, resume)
+    weight_sync: Literal["disk", "transfer"] = "disk"  # vllm: reload a saved file, or NCCL broadcast (GPU learner)
+    transfer_port: int = 0  # weight_sync = "transfer": the NCCL rendezvous port on the learner (0 = a free one)
     device: str = "cpu"  # embedded: torch device
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights; vllm started by polar_fast: --dtype
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)

@@ -462,14 +462,6 @@ class Learner:
 
     # ---------------------------------------------------------------------- weights, checkpoint
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under the HF model's own names (what engines load). Collective under
-        FSDP2: every rank must iterate it."""
-        for name, tensor in self.policy.lm.state_dict().items():
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            yield name, tensor.detach()
-
     def weight_stream(self) -> WeightStream:
         """The weights to serve, each gathered only when read (collective under FSDP2: every rank
         must read the whole stream, in order), tied ones once: a parameter reached under a second

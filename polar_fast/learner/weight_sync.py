@@ -6,19 +6,21 @@
   directory the engine serves from, then `engine.update_weights(None, version=...)` makes it
   reload from disk (vLLM: engines/vllm.py, which pauses with mode=keep; embedded: reload its
   path). The fallback that works with any vLLM build.
-- `VllmTransferSync`: vLLM's dev-mode weight transfer (VLLM_SERVER_DEV_MODE=1,
-  --weight-transfer-config): POST /init_weight_transfer_engine once, then per sync
-  /pause?mode=keep (calls in flight are frozen, not aborted), /start_weight_update,
-  /update_weights with the metadata (names, dtype_names, shapes) while the tensors travel out of
-  band (NCCL broadcast by a `sender`), /finish_weight_update with the version label,
-  /reset_prefix_cache, /resume.
-  The data plane is a pluggable `Sender` so the HTTP part is tested here against a local fake
-  and the NCCL part (needs vLLM and a GPU) is imported only when used.
-  No caller yet (the run uses DiskSync), and `NcclSender` calls the trainer API of vLLM before
-  0.32 (`NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights`): 0.32, the version
-  tested, moved it to `NCCLTrainerWeightTransferEngine.trainer_init(info, client=, source=)`,
-  which drives the HTTP calls itself. Not ported, since no backend runs on a CPU (nccl,
-  sparse_nccl and nccl_m2n open a PyNccl communicator, ipc shares CUDA IPC handles).
+- `VllmTransferSync`: vLLM's dev-mode weight transfer (`engine.weight_sync = "transfer"`;
+  VLLM_SERVER_DEV_MODE=1, --weight-transfer-config, both set by engines/vllm_launch.py). Once:
+  GET /get_world_size, then POST /init_weight_transfer_engine concurrently with the sender's
+  rendezvous. Per sync: /pause?mode=keep (calls in flight are frozen, not aborted),
+  /start_weight_update, /update_weights with the metadata (names, dtype_names, shapes; the
+  serving dtype) while the tensors travel out of band, /finish_weight_update with the version
+  label, /reset_prefix_cache, /resume. Each tensor is converted to the serving dtype as it is
+  sent, so no second copy of the model exists.
+  The data plane is a pluggable `Sender`: the HTTP part is tested against a local fake, its
+  bodies against vLLM 0.32's own init and update dataclasses, and `NcclSender` (vLLM 0.32's
+  `nccl_common.trainer_init` communicator, a broadcast per tensor) needs a GPU: no transfer
+  backend of vLLM runs on a CPU (nccl, sparse_nccl and nccl_m2n open a PyNccl communicator,
+  ipc shares CUDA IPC handles). vLLM's own trainer engine
+  (`NCCLTrainerWeightTransferEngine`) is not used because it drives the HTTP calls itself,
+  with a blocking client, no pause mode and no version label.
 
 Every sync ends with the engine's `policy_version` set to the new version, which the proxy
 stamps on every call record it captures afterwards.
@@ -87,6 +89,21 @@ class DiskSync:
         await self.engine.update_weights(None, version=version)
 
 
+def _specs_and_stream(named_tensors: NamedTensors) -> tuple[list[tuple[str, tuple[int, ...]]], NamedTensors]:
+    """Names and shapes before any data: a WeightStream announces them (gathered as consumed);
+    plain pairs are read once, a tensor sharing storage with an earlier one (tied embeddings)
+    left out, as the model's own checkpoint has it."""
+    if isinstance(named_tensors, WeightStream):
+        return named_tensors.specs, named_tensors
+    kept, seen = [], set()
+    for name, t in named_tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            kept.append((name, t))
+    return [(name, tuple(t.shape)) for name, t in kept], kept
+
+
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -103,16 +120,7 @@ def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "f
     import torch
 
     target = getattr(torch, dtype)
-    if isinstance(named_tensors, WeightStream):  # gathered as written, never all at once
-        specs, stream = named_tensors.specs, named_tensors
-    else:
-        kept, seen = [], set()
-        for name, t in named_tensors:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-            if key not in seen:
-                seen.add(key)
-                kept.append((name, t))
-        specs, stream = [(name, tuple(t.shape)) for name, t in kept], kept
+    specs, stream = _specs_and_stream(named_tensors)  # a WeightStream is gathered as written
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset, width = 0, target.itemsize
     for name, shape in specs:
@@ -133,9 +141,9 @@ def save_safetensors(named_tensors: NamedTensors, path: Path, *, dtype: str = "f
 class Sender(Protocol):
     """The out-of-band data plane of a vLLM weight transfer."""
 
-    def init_info(self) -> dict[str, Any]: ...  # JSON sent as init_info
+    def init_info(self, engine_world_size: int) -> dict[str, Any]: ...  # the workers' init_info
     async def connect(self) -> None: ...  # runs concurrently with POST /init_weight_transfer_engine
-    async def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None: ...  # with POST /update_weights
+    async def send(self, named_tensors: NamedTensors) -> None: ...  # concurrently with POST /update_weights
 
 
 class VllmTransferSync:
@@ -147,54 +155,60 @@ class VllmTransferSync:
         sender: Sender,
         *,
         engine: Any = None,
+        dtype: str = "float32",
+        pause_mode: str = "keep",
         timeout_s: float = 600.0,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.sender = sender
         self.engine = engine  # its policy_version is set after each sync (the proxy reads it)
+        self.dtype = dtype  # the engine's serving dtype: what the workers allocate and receive
+        self.pause_mode = pause_mode
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._connected = False
 
     async def push(self, named_tensors: NamedTensors, *, version: int) -> None:
-        pairs = list(named_tensors)
+        import torch
+
         if not self._connected:
+            world = await self._request("GET", "/get_world_size", None)
             await asyncio.gather(
-                self._post("/init_weight_transfer_engine", {"init_info": self.sender.init_info()}),
+                self._request("POST", "/init_weight_transfer_engine",
+                              {"init_info": self.sender.init_info(int(world["world_size"]))}),
                 self.sender.connect(),
             )
             self._connected = True
-        update_info = {
-            "names": [n for n, _ in pairs],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
-            "shapes": [list(t.shape) for _, t in pairs],
-            "packed": False,
-        }
-        await self._post("/pause?mode=keep&clear_cache=false", None)  # see engines/vllm.py
+        specs, stream = _specs_and_stream(named_tensors)
+        target = getattr(torch, self.dtype)
+        update_info = {"names": [n for n, _ in specs], "dtype_names": [self.dtype] * len(specs),
+                       "shapes": [list(shape) for _, shape in specs]}
+        await self._request("POST", f"/pause?mode={self.pause_mode}&clear_cache=false", None)  # see engines/vllm.py
         try:
-            await self._post("/start_weight_update", {"is_checkpoint_format": True})
-            await asyncio.gather(self._post("/update_weights", {"update_info": update_info}),
-                                 self.sender.send(pairs))
+            await self._request("POST", "/start_weight_update", None)
+            await asyncio.gather(self._request("POST", "/update_weights", {"update_info": update_info}),
+                                 self.sender.send((n, t.detach().to(dtype=target)) for n, t in stream))
             # the label vLLM stamps on every token sampled from now on (its weight_versions spans)
-            await self._post("/finish_weight_update", {"weight_version": str(version)})
-            await self._post("/reset_prefix_cache?reset_running_requests=true", None)
+            await self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+            await self._request("POST", "/reset_prefix_cache?reset_running_requests=true", None)
         finally:
-            await self._post("/resume", None)
+            await self._request("POST", "/resume", None)
         if self.engine is not None:
             self.engine.policy_version = version
 
-    async def _post(self, path: str, body: dict[str, Any] | None) -> None:
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         session = self._session
         if session is None:
             session = self._session = aiohttp.ClientSession(timeout=self._timeout)
         try:
-            async with session.post(self.base_url + path, json=body) as resp:
+            async with session.request(method, self.base_url + path, json=body) as resp:
                 if resp.status >= 400:
                     text = (await resp.text())[:500]
                     raise WeightSyncError(f"vLLM {path} answered {resp.status}: {text}")
-        except aiohttp.ClientError as e:
-            raise WeightSyncError(f"vLLM {path} failed: {e}") from e
+                return await resp.json(content_type=None) if method == "GET" else None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise WeightSyncError(f"vLLM {path} failed: {e!r}") from e
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -203,25 +217,41 @@ class VllmTransferSync:
 
 
 class NcclSender:
-    """NCCL broadcast through vLLM's own NCCLWeightTransferEngine (GPU only; imports vLLM lazily).
+    """NCCL broadcast from the learner (rank 0) to the vLLM workers (ranks 1..world), through
+    the communicator vLLM 0.32's `nccl_common.trainer_init` opens (GPU only; imports vLLM
+    lazily). Unpacked: one broadcast per tensor, in the order of the update metadata."""
 
-    The trainer is rank 0 of a group with the vLLM workers (ranks 1..world_size-1)."""
-
-    def __init__(self, *, master_address: str, master_port: int, world_size: int) -> None:
-        self._info = {"master_address": master_address, "master_port": master_port,
-                      "rank_offset": 1, "world_size": world_size}
+    def __init__(self, *, master_address: str = "127.0.0.1", master_port: int = 0) -> None:
+        self.master_address = master_address
+        self.master_port = master_port  # 0: a free port, chosen at init
+        self._world_size = 0
         self._group: Any = None
 
-    def init_info(self) -> dict[str, Any]:
-        return dict(self._info)
+    def init_info(self, engine_world_size: int) -> dict[str, Any]:
+        if not self.master_port:
+            import socket
+
+            with socket.socket() as s:
+                s.bind((self.master_address, 0))
+                self.master_port = s.getsockname()[1]
+        self._world_size = 1 + engine_world_size
+        return {"master_address": self.master_address, "master_port": self.master_port,
+                "rank_offset": 1, "world_size": self._world_size, "packed": False}
 
     async def connect(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        self._group = await asyncio.to_thread(NCCLWeightTransferEngine.trainer_init, self._info)
+        rendezvous = {"master_address": self.master_address, "master_port": self.master_port,
+                      "world_size": self._world_size}
+        self._group = await asyncio.to_thread(trainer_init, rendezvous)
 
-    async def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    async def send(self, named_tensors: NamedTensors) -> None:
+        await asyncio.to_thread(self._broadcast, named_tensors)
 
-        args = {"group": self._group, "src": 0, "packed": False}
-        await asyncio.to_thread(NCCLWeightTransferEngine.trainer_send_weights, iter(named_tensors), args)
+    def _broadcast(self, named_tensors: NamedTensors) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+        for _, t in named_tensors:  # NCCL reads numel elements from data_ptr: contiguous, on the GPU
+            self._group.broadcast(t.to("cuda").contiguous(), src=0, stream=stream)
+        stream.synchronize()
