@@ -77,6 +77,9 @@ async def test_disk_sync_writes_then_reloads(tmp_path):
 
 
 class FakeSender:
+    """Stands in for NcclSender, the one part a CPU cannot run: its NCCL group needs GPUs on both
+    sides (vLLM's CPU build has no transfer backend). Records what it was handed."""
+
     def __init__(self, log: list) -> None:
         self.log = log
 
