@@ -120,8 +120,7 @@ def check_run(cfg: Config) -> None:
 def _weight_sync(cfg: Config, engine, run_dir: Path):
     e = cfg.engine
     if e.kind == "vllm" and e.weight_sync == "transfer":
-        return VllmTransferSync(engine.url, NcclSender(master_port=e.transfer_port), engine=engine, dtype=e.dtype,
-                                pause_mode=e.pause_mode, timeout_s=e.sync_timeout_s)
+        return VllmTransferSync(engine, NcclSender(master_port=e.transfer_port), dtype=e.dtype)
     if e.kind == "vllm":
         return DiskSync(engine, run_dir / "weights", dtype=e.dtype)
     return EngineSync(engine)
@@ -167,11 +166,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 loop = _Loop(rollouts.cfg, learner, sync, pools, rollouts.agent, rollouts.proxy,
                              metrics, summary, stop.event, emit, evaluator)
                 pools.on_late = loop.on_late
-                try:
-                    await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
-                finally:
-                    if hasattr(sync, "aclose"):  # the transfer sync's HTTP session
-                        await sync.aclose()
+                await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
         await asyncio.to_thread(distributed.stop_followers, learner)
     finally:

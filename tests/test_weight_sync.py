@@ -15,6 +15,7 @@ import torch
 from aiohttp import web
 from vllm_server import vllm_python
 
+from polar_fast.engines.vllm import VllmEngine
 from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSyncError
 
 
@@ -119,38 +120,40 @@ TIED = torch.ones(4, 2)
 TRANSFER_WEIGHTS = [("model.embed.weight", TIED), ("lm_head.weight", TIED), ("lm_head.bias", torch.zeros(4))]
 
 
-async def _transfer_bodies(weights, **kwargs) -> tuple[list, RecordingEngine]:
+async def _transfer_bodies(weights, pause_mode: str = "keep", **kwargs) -> tuple[list, VllmEngine]:
     log: list = []
     runner, url = await fake_vllm(log)
-    engine = RecordingEngine()
-    sync = VllmTransferSync(url, FakeSender(log), engine=engine, **kwargs)
+    engine = VllmEngine(url, model="m", pause_mode=pause_mode)
+    sync = VllmTransferSync(engine, FakeSender(log), **kwargs)
     try:
         await sync.push(weights, version=1)
         await sync.push(weights, version=2)
     finally:
-        await sync.aclose()
+        await engine.aclose()
         await runner.cleanup()
     return log, engine
 
 
 @pytest.mark.anyio
-async def test_vllm_transfer_call_sequence():
-    log, engine = await _transfer_bodies(TRANSFER_WEIGHTS, dtype="bfloat16")
+@pytest.mark.parametrize("pause_mode", ["keep", "wait"])
+async def test_vllm_transfer_call_sequence(pause_mode):
+    log, engine = await _transfer_bodies(TRANSFER_WEIGHTS, pause_mode, dtype="bfloat16")
     paths = [entry[0] for entry in log]
     # the engine's world size, then init once (concurrently with the sender's rendezvous), then
-    # per sync the update lifecycle
+    # per sync the update lifecycle inside the engine's pause block
     assert paths[0] == "/get_world_size"
     assert sorted(paths[1:3]) == sorted(["/init_weight_transfer_engine", "connect"])
-    one_sync = ["/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights", "send",
-                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
+    one_sync = [f"/pause?mode={pause_mode}&clear_cache=false", "/start_weight_update", "/update_weights", "send",
+                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/update_weight_version",
+                "/resume"]
     rest = paths[3:]
     assert len(rest) == 2 * len(one_sync)
-    for chunk in (rest[:7], rest[7:]):
+    for chunk in (rest[:8], rest[8:]):
         assert chunk[:2] == one_sync[:2] and sorted(chunk[2:4]) == sorted(one_sync[2:4]) and chunk[4:] == one_sync[4:]
     bodies = {entry[0]: entry[1] for entry in log if entry[0].startswith("/")}
-    assert bodies["/finish_weight_update"] == {"weight_version": "2"}
+    assert bodies["/update_weight_version"] == {"new_version": "2"}
     assert bodies["/init_weight_transfer_engine"] == {"init_info": FakeSender(log).init_info(2)}
-    assert bodies["/start_weight_update"] is None
+    assert bodies["/start_weight_update"] is None and bodies["/finish_weight_update"] is None
     # the tied head once, everything in the serving dtype: metadata and tensors agree
     assert bodies["/update_weights"] == {"update_info": {"names": ["model.embed.weight", "lm_head.bias"],
                                                          "dtype_names": ["bfloat16", "bfloat16"],
@@ -193,11 +196,11 @@ async def test_vllm_transfer_bodies_parse_as_vllm_032_reads_them():
 @pytest.mark.anyio
 async def test_vllm_transfer_reads_the_real_servers_world_size(real_vllm):
     """The one transfer route a CPU server answers as a GPU one would: it sizes the NCCL group."""
-    sync = VllmTransferSync(real_vllm.url, NcclSender())
+    engine = VllmEngine(real_vllm.url, model="m")
     try:
-        world = await sync._request("GET", "/get_world_size", None)
+        world = json.loads(await engine.control("read the engine's world size", "/get_world_size", method="GET"))
     finally:
-        await sync.aclose()
+        await engine.aclose()
     assert world == {"world_size": 1}  # one CPU worker: the learner would be rank 0 of 2
     assert NcclSender(master_port=29555).init_info(world["world_size"])["world_size"] == 2
 
@@ -206,13 +209,13 @@ async def test_vllm_transfer_reads_the_real_servers_world_size(real_vllm):
 async def test_vllm_transfer_failure_resumes_and_raises():
     log: list = []
     runner, url = await fake_vllm(log, fail="/finish_weight_update")
-    engine = RecordingEngine()
-    sync = VllmTransferSync(url, FakeSender(log), engine=engine)
+    engine = VllmEngine(url, model="m", max_retries=0)
+    sync = VllmTransferSync(engine, FakeSender(log))
     try:
-        with pytest.raises(WeightSyncError, match="finish_weight_update answered 500"):
+        with pytest.raises(WeightSyncError, match=r"finish the weight update \(/finish_weight_update\) failed: .*HTTP 500"):
             await sync.push([("w", torch.zeros(1))], version=5)
     finally:
-        await sync.aclose()
+        await engine.aclose()
         await runner.cleanup()
     assert log[-1][0] == "/resume"  # generation is never left paused
     assert engine.policy_version == 0  # a failed sync does not bump the version
@@ -283,7 +286,7 @@ def test_transfer_sync_is_chosen_by_config_and_needs_vllm_and_a_gpu_learner(tmp_
     check_run(cfg)
     engine = SimpleNamespace(url="http://127.0.0.1:8000", policy_version=0)
     sync = _weight_sync(cfg, engine, tmp_path)
-    assert isinstance(sync, VllmTransferSync) and (sync.dtype, sync.pause_mode) == ("bfloat16", "wait")
-    assert sync.base_url == engine.url and sync.sender.init_info(4)["master_port"] == 29600
+    assert isinstance(sync, VllmTransferSync) and sync.dtype == "bfloat16"
+    assert sync.engine is engine and sync.sender.init_info(4)["master_port"] == 29600
     disk = parse_config({"engine": {"kind": "vllm"}})
     assert isinstance(_weight_sync(disk, engine, tmp_path), DiskSync)  # the default

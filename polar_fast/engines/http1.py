@@ -35,8 +35,15 @@ class Http1Pool:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         """(status, reply body). Raises HttpError when no reply could be read."""
+        return await self._request(b"POST", path, body, headers)
+
+    async def get(self, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        """As `post`, for the few GET-only routes (vLLM's /get_world_size)."""
+        return await self._request(b"GET", path, b"", headers)
+
+    async def _request(self, method: bytes, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         head = b"".join((
-            b"POST ", (self._base + path).encode(), b" HTTP/1.1\r\nHost: ", self._host_header,
+            method, b" ", (self._base + path).encode(), b" HTTP/1.1\r\nHost: ", self._host_header,
             b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n",
             *(f"{k}: {v}\r\n".encode() for k, v in headers.items()), b"\r\n",
         ))

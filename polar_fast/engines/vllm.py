@@ -136,19 +136,19 @@ class VllmEngine:
         return zlib.crc32(session_id.encode()) % self._dp_size
 
     async def _post(self, path: str, body: dict[str, Any] | None, *, session_id: str = "",
-                    timeout_s: float | None = None) -> bytes:
+                    timeout_s: float | None = None, method: str = "POST") -> bytes:
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         headers = {"Content-Type": "application/json"}
         if self._dp_size > 1:
             headers["X-data-parallel-rank"] = str(self.rank_of(session_id))
-        data = msgspec.json.encode(body)
+        data = msgspec.json.encode(body) if method == "POST" else b""
         last = ""
         for attempt in range(self._max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._retry_delay_s * attempt)
             try:
                 async with asyncio.timeout(timeout_s):
-                    status, payload = await self._send(path, data, headers)
+                    status, payload = await self._send(method, path, data, headers)
             except TimeoutError:
                 raise EngineTimeout(f"vLLM {path} did not answer within {timeout_s} s") from None
             except OSError as e:  # refused, reset, unreadable reply (HttpError, aiohttp's errors)
@@ -161,13 +161,13 @@ class VllmEngine:
                 raise EngineFailed(f"vLLM {path} refused the request: {last}")
         raise EngineUnavailable(f"vLLM at {self.url} unavailable after {self._max_retries + 1} tries: {last}")
 
-    async def _send(self, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    async def _send(self, method: str, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         if self._pool is not None:
-            return await self._pool.post(path, data, headers)
+            return await (self._pool.post(path, data, headers) if method == "POST" else self._pool.get(path, headers))
         import aiohttp  # https: aiohttp's client
 
         try:
-            async with self._session().post(self.url + path, data=data, headers=headers) as r:
+            async with self._session().request(method, self.url + path, data=data or None, headers=headers) as r:
                 return r.status, await r.read()
         except aiohttp.ClientError as e:
             raise OSError(f"{type(e).__name__}: {e}") from None
@@ -236,14 +236,19 @@ class VllmEngine:
     async def update_weights(self, named_tensors: Iterable | None, *, version: int) -> None:
         if named_tensors is not None:
             raise NotImplementedError("vllm engine: pushing tensors needs a weight-transfer backend; pass None to reload from disk")
-        async with paused(self, version, pause_mode=self._pause_mode):
+        async with self.paused(version):
             await self.control("reload weights", "/collective_rpc", {"method": "reload_weights"})
 
-    async def control(self, step: str, path: str, body: dict[str, Any] | None = None) -> bytes:
-        """One dev-mode call of a weight sync: no retries, `engine.sync_timeout_s`, and any
-        failure is a WeightSyncError naming `step`."""
+    def paused(self, version: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """`paused` (below) in this engine's pause mode: the block loads new weights, by disk
+        reload (update_weights) or by the learner's weight transfer (learner/weight_sync.py)."""
+        return paused(self, version, pause_mode=self._pause_mode)
+
+    async def control(self, step: str, path: str, body: dict[str, Any] | None = None, *, method: str = "POST") -> bytes:
+        """One dev-mode call of a weight sync: `engine.sync_timeout_s`, and any failure is a
+        WeightSyncError naming `step`."""
         try:
-            return await self._post(path, body, timeout_s=self._sync_timeout_s)
+            return await self._post(path, body, timeout_s=self._sync_timeout_s, method=method)
         except EngineTimeout:
             raise WeightSyncError(f"weight sync: {step} ({path}) did not answer within {self._sync_timeout_s} s "
                                   "(engine.sync_timeout_s)") from None

@@ -11,8 +11,9 @@
   GET /get_world_size, then POST /init_weight_transfer_engine concurrently with the sender's
   rendezvous. Per sync: /pause?mode=keep (calls in flight are frozen, not aborted),
   /start_weight_update, /update_weights with the metadata (names, dtype_names, shapes; the
-  serving dtype) while the tensors travel out of band, /finish_weight_update with the version
-  label, /reset_prefix_cache, /resume. Each tensor is converted to the serving dtype as it is
+  serving dtype) while the tensors travel out of band, /finish_weight_update,
+  /reset_prefix_cache, /update_weight_version (the label), /resume: the engine's own pause
+  block, the one the disk reload uses. Each tensor is converted to the serving dtype as it is
   sent, so no second copy of the model exists.
   The data plane is a pluggable `Sender`: the HTTP part is tested against a local fake, its
   bodies against vLLM 0.32's own init and update dataclasses, and `NcclSender` (vLLM 0.32's
@@ -32,8 +33,6 @@ import asyncio
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
-
-import aiohttp
 
 from polar_fast.errors import WeightSyncError
 
@@ -147,73 +146,39 @@ class Sender(Protocol):
 
 
 class VllmTransferSync:
-    """vLLM dev-mode weight-transfer API; see the module docstring for the call sequence."""
+    """vLLM dev-mode weight-transfer API; see the module docstring for the call sequence. Every
+    call goes through the engine's own `control` (engine.sync_timeout_s, the failed step named)
+    inside its `paused` block (pause mode, prefix-cache reset, version label, resume on any
+    failure), as the disk reload does (engines/vllm.py)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        sender: Sender,
-        *,
-        engine: Any = None,
-        dtype: str = "float32",
-        pause_mode: str = "keep",
-        timeout_s: float = 600.0,
-        session: aiohttp.ClientSession | None = None,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, engine: Any, sender: Sender, *, dtype: str = "float32") -> None:
+        self.engine = engine  # a VllmEngine; its policy_version is set after each sync (the proxy reads it)
         self.sender = sender
-        self.engine = engine  # its policy_version is set after each sync (the proxy reads it)
         self.dtype = dtype  # the engine's serving dtype: what the workers allocate and receive
-        self.pause_mode = pause_mode
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session = session
         self._connected = False
 
     async def push(self, named_tensors: NamedTensors, *, version: int) -> None:
+        import json
+
         import torch
 
+        control = self.engine.control
         if not self._connected:
-            world = await self._request("GET", "/get_world_size", None)
-            await asyncio.gather(
-                self._request("POST", "/init_weight_transfer_engine",
-                              {"init_info": self.sender.init_info(int(world["world_size"]))}),
-                self.sender.connect(),
-            )
+            world = json.loads(await control("read the engine's world size", "/get_world_size", method="GET"))
+            init_info = self.sender.init_info(int(world["world_size"]))
+            await asyncio.gather(control("open the transfer group", "/init_weight_transfer_engine",
+                                         {"init_info": init_info}),
+                                 self.sender.connect())
             self._connected = True
         specs, stream = _specs_and_stream(named_tensors)
         target = getattr(torch, self.dtype)
         update_info = {"names": [n for n, _ in specs], "dtype_names": [self.dtype] * len(specs),
                        "shapes": [list(shape) for _, shape in specs]}
-        await self._request("POST", f"/pause?mode={self.pause_mode}&clear_cache=false", None)  # see engines/vllm.py
-        try:
-            await self._request("POST", "/start_weight_update", None)
-            await asyncio.gather(self._request("POST", "/update_weights", {"update_info": update_info}),
+        async with self.engine.paused(version):
+            await control("start the weight update", "/start_weight_update")
+            await asyncio.gather(control("receive the weights", "/update_weights", {"update_info": update_info}),
                                  self.sender.send((n, t.detach().to(dtype=target)) for n, t in stream))
-            # the label vLLM stamps on every token sampled from now on (its weight_versions spans)
-            await self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
-            await self._request("POST", "/reset_prefix_cache?reset_running_requests=true", None)
-        finally:
-            await self._request("POST", "/resume", None)
-        if self.engine is not None:
-            self.engine.policy_version = version
-
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        session = self._session
-        if session is None:
-            session = self._session = aiohttp.ClientSession(timeout=self._timeout)
-        try:
-            async with session.request(method, self.base_url + path, json=body) as resp:
-                if resp.status >= 400:
-                    text = (await resp.text())[:500]
-                    raise WeightSyncError(f"vLLM {path} answered {resp.status}: {text}")
-                return await resp.json(content_type=None) if method == "GET" else None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise WeightSyncError(f"vLLM {path} failed: {e!r}") from e
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+            await control("finish the weight update", "/finish_weight_update")
 
 
 class NcclSender:
