@@ -50,15 +50,15 @@ def agent_prompts(n: int) -> list[list[int]]:
     """`n` prompts: Pi's captured system prompt (token ids, exact) + a distinct task turn each."""
     from captured import group_calls
 
-    from polar_fast.rollouts.families import FAMILIES
+    from polar_fast.rollouts.family_kinds import KINDS, TRAIN_SIDE
 
     tok = load_tokenizer("")
     text = tok.decode(group_calls("pi")[0].prompt_ids)
     system = tok(text[: text.rfind("<|im_start|>user")], add_special_tokens=False)["input_ids"]
     statements: list[str] = []
     for i in range(1000):
-        family = sorted(FAMILIES)[i % len(FAMILIES)]
-        statement = FAMILIES[family](random.Random(f"engine-bench:{i}")).statement
+        family = sorted(KINDS)[i % len(KINDS)]
+        statement = KINDS[family](random.Random(f"engine-bench:{i}"), TRAIN_SIDE).statement
         if statement not in statements:
             statements.append(statement)
         if len(statements) == n:
@@ -96,15 +96,15 @@ async def measure(engine, name: str, prompts: list[list[int]], concurrency: list
     return rows
 
 
-async def run_embedded(prompts, concurrency, max_tokens, split_prompts) -> tuple[list[dict], list[dict]]:
+async def run_embedded(prompts, concurrency, max_tokens, split_prompts, threads: int = 0) -> tuple[list[dict], list[dict]]:
     import torch
 
     from polar_fast.engines.embedded import EmbeddedEngine
 
-    cfg = parse_config({"engine": {"max_batch": max(concurrency)}})
+    cfg = parse_config({"engine": {"max_batch": max(concurrency), "threads": threads}})
     engine = await asyncio.to_thread(EmbeddedEngine, cfg.model, cfg.engine)
     try:
-        rows = await measure(engine, "embedded", prompts, concurrency, max_tokens, torch.get_num_threads())
+        rows = await measure(engine, "embedded", prompts, concurrency, max_tokens, threads or torch.get_num_threads())
         splits = [await step_split(engine, p, max_tokens) for p in split_prompts]
         return rows, splits
     finally:
@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=80)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="the embedded engine's torch threads (0 = all cores)")
+    parser.add_argument("--no-split", action="store_true", help="skip the per-step time split")
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     max_tokens = 24 if args.quick else args.max_tokens
@@ -204,8 +206,8 @@ def main() -> None:
     prompts = agent_prompts(n_main + 1 + max(concurrency))
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"up to {max_tokens} new tokens each", flush=True)
-    split_prompts = [prompts[n_main:n_main + 1], prompts[n_main + 1:]]  # a decode step of 1 call, of the most
-    rows, splits = asyncio.run(run_embedded(prompts[:n_main], concurrency, max_tokens, split_prompts))
+    split_prompts = [] if args.no_split else [prompts[n_main:n_main + 1], prompts[n_main + 1:]]  # 1 call, the most
+    rows, splits = asyncio.run(run_embedded(prompts[:n_main], concurrency, max_tokens, split_prompts, args.threads))
     python = Path(args.vllm_python)
     if not (args.quick or args.no_vllm):
         if not python.is_file():

@@ -51,6 +51,7 @@ class EngineConfig(_Section):
     transfer_port: int = 0  # weight_sync = "transfer": the NCCL rendezvous port on the learner (0 = a free one)
     device: str = "cpu"  # embedded: torch device
     max_batch: int = 0  # embedded: calls decoded together (0 = pools.agent_workers); memory grows with batch x context
+    threads: int = 0  # embedded: torch threads of its decode loop (0 = torch's default, one per core)
     prefill_chunk_tokens: int = 256  # embedded: prompt tokens prefilled per step beside the batch's decode tokens
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights; vllm started by polar_fast: --dtype
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)

@@ -1,19 +1,21 @@
-"""A warm start: the policy RL begins from has seen the harness's action format solve tasks.
+"""A warm start: the policy RL begins from has seen a careful agent work in the harness.
 
 A base model that never emits a tool call the harness can read gets reward 0 on every rollout,
-so every GRPO group has zero variance and a run trains on nothing. The warm start fixes the
-format, not the task: teacher demonstrations of the generated families' "demos" split (seeds
-apart from train and held-out), each task's one-line reference fix typed by a scripted policy
-(PlaybookEngine) through the real harness, proxy and sandbox, kept only when the tests pass,
-exported as token rows and fine-tuned on with `sft`. RL then trains the result on the train
-split, and held-out eval measures it.
+so every GRPO group has zero variance and a run trains on nothing. The warm start teaches the
+format and a way of working, not the answers: teacher demonstrations (teachers/) of the
+generated families' "demos" split (seeds apart from train, validation, held-out and transfer),
+each a scripted policy (PlaybookEngine) typing a careful agent's replies through the real
+harness, proxy and sandbox: search the repo, read the file, reproduce the bug, edit, check,
+finish. They are kept only when the tests pass, exported as token rows and fine-tuned on with
+`sft`. RL then trains the result on the train split, and held-out eval measures it.
 
     model_dir = await ensure_warm_start(cfg, emit)   # cached: the second run reuses it
 
 The result is cached under the polar_fast cache by a digest of everything it depends on (base
-weights, harness bundle, recipe, the demo tasks), so the first run pays once (~3-4 min on 2 CPU
-cores) and later runs start at once. Its directory keeps the demonstrations' record log, the
-token rows and report.json beside the model.
+weights, harness bundle, the recipe's settings, and the demonstrations themselves: every reply
+the teacher types), so a change to a teacher rebuilds it, and the first run pays once (a few
+minutes on 2 CPU cores) while later runs start at once. Its directory keeps the demonstrations'
+record log, the token rows and report.json beside the model.
 """
 
 from __future__ import annotations
@@ -31,56 +33,58 @@ import msgspec
 
 from polar_fast.config import Config
 from polar_fast.errors import PolarError
-
-RECIPE_VERSION = 1  # bump when what a demonstration holds changes: cached warm starts are rebuilt
-SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent's end-of-task command
-
+from polar_fast.teachers import teacher_for
+from polar_fast.teachers.mini_swe_agent import SUBMIT, bash_call  # noqa: F401 - re-exported for tests
 
 class WarmStartError(PolarError):
     """The warm start cannot be built (no teacher script for the harness, demonstrations failed)."""
-
-
-def bash_call(command: str) -> str:
-    """A bash tool call as SmolLM2 / Hermes-style models write it (the proxy's tool-call parser)."""
-    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
-
-
-def teacher_replies(harness: str, fix: str) -> list[str]:
-    """What the teacher types in `harness` to solve a task whose fix is the shell command `fix`."""
-    if harness == "mini-swe-agent":
-        return [bash_call(fix), bash_call(SUBMIT)]
-    raise WarmStartError(f"warm_start: no teacher script for harness {harness!r} (supported: mini-swe-agent); "
-                         "set warm_start.demos = 0")
 
 
 def demo_tasks(cfg: Config):
     from polar_fast.rollouts.tasks import load_tasks
 
     if cfg.tasks.source != "families":
-        raise WarmStartError(f"warm_start needs tasks.source = \"families\" (its teacher types their one-line "
-                             f"fixes); tasks.source is {cfg.tasks.source!r}")
-    tasks = load_tasks("families", split="demos", families=cfg.tasks.families or None, per_family=cfg.warm_start.demos)
-    missing = [t.instance_id for t in tasks if not t.solution_command]
-    if missing:
-        raise WarmStartError(f"warm_start: tasks without a teacher fix: {', '.join(missing[:5])}")
-    return tasks
+        raise WarmStartError(f"warm_start needs tasks.source = \"families\" (its teacher demonstrates their "
+                             f"demos split); tasks.source is {cfg.tasks.source!r}")
+    return load_tasks("families", split="demos", families=cfg.tasks.families or None, per_family=cfg.warm_start.demos)
 
 
-def cache_key(cfg: Config, tasks) -> str:
-    """Digest of everything the warm-started weights depend on."""
+def demonstrations(cfg: Config, tasks) -> dict[str, list[list[str]]]:
+    """The teacher's replies per task statement: the PlaybookEngine's plays."""
+    teacher = teacher_for(cfg.harness.name)
+    return {t.problem_statement: [teacher.replies(t)] for t in tasks}
+
+
+def check_lengths(cfg: Config, plays: dict[str, list[list[str]]]) -> None:
+    """Every reply fits one call's output cap: a teacher cut at max_tokens demonstrates a broken
+    tool call, and its demonstration would be lost (its tests fail)."""
+    from polar_fast.model import load_tokenizer
+
+    tok = load_tokenizer(cfg.model.path)
+    cap = cfg.sampling.max_tokens
+    for statement, (replies, *_) in plays.items():
+        for reply in replies:
+            n = len(tok.encode(reply, add_special_tokens=False)) + 1  # + the end-of-turn token
+            if n > cap:
+                raise WarmStartError(f"warm start: a teacher reply takes {n} tokens but sampling.max_tokens is {cap} "
+                                     f"(task {statement[:60]!r}...): raise sampling.max_tokens to at least {n}")
+
+
+def cache_key(cfg: Config, plays: dict[str, list[list[str]]]) -> str:
+    """Digest of everything the warm-started weights depend on, the demonstrations included."""
     from polar_fast.evaluate import weights_sha256
     from polar_fast.model import model_dir
     from polar_fast.rollouts.harnesses import bundle_manifest, bundle_root, get_harness
 
     bundle = get_harness(cfg.harness.name).install(bundle_root(cfg.harness.bundle_dir))  # cached: finds it
     parts = {
-        "recipe": RECIPE_VERSION,
         "model": weights_sha256(model_dir(cfg.model.path)),
         "harness": cfg.harness.name, "max_steps": cfg.harness.max_steps,
         "bundle": bundle_manifest(bundle),
         "warm_start": msgspec.to_builtins(cfg.warm_start), "sft_seed": cfg.sft.seed,
         "learner": [cfg.learner.grad_clip, cfg.learner.weight_decay, cfg.merge.layout],
-        "tasks": [[t.instance_id, t.problem_statement, t.solution_command] for t in tasks],
+        "sampling": cfg.sampling.max_tokens,
+        "demonstrations": sorted(plays.items()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -91,8 +95,9 @@ async def ensure_warm_start(cfg: Config, emit: Callable[[str, dict], None] | Non
 
     emit = emit or (lambda kind, data: None)
     tasks = await asyncio.to_thread(demo_tasks, cfg)
-    teacher_replies(cfg.harness.name, "true")  # an unsupported harness fails before any work
-    key = await asyncio.to_thread(cache_key, cfg, tasks)
+    plays = await asyncio.to_thread(demonstrations, cfg, tasks)  # an unsupported harness fails here
+    await asyncio.to_thread(check_lengths, cfg, plays)
+    key = await asyncio.to_thread(cache_key, cfg, plays)
     root = cache_root() / "warm_start" / key
     report = await asyncio.to_thread(_cached_report, root)
     if report is not None:
@@ -102,7 +107,7 @@ async def ensure_warm_start(cfg: Config, emit: Callable[[str, dict], None] | Non
     started = time.perf_counter()
     work = root.parent / f".{key}.{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, work, True)
-    report = await _build(cfg, tasks, work, emit)
+    report = await _build(cfg, tasks, plays, work, emit)
     report["duration_s"] = round(time.perf_counter() - started, 1)
     await asyncio.to_thread(_publish, work, root, report)
     return root / "model", {**report, "cached": False}
@@ -122,7 +127,7 @@ def _publish(work: Path, root: Path, report: dict) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-async def _build(cfg: Config, tasks, work: Path, emit) -> dict:
+async def _build(cfg: Config, tasks, plays: dict[str, list[list[str]]], work: Path, emit) -> dict:
     from polar_fast.engines.scripted import PlaybookEngine
     from polar_fast.evaluate import run_eval
     from polar_fast.export import export_run
@@ -133,7 +138,6 @@ async def _build(cfg: Config, tasks, work: Path, emit) -> dict:
     emit("info", {"message": f"warm start: {len(tasks)} teacher demonstrations through {cfg.harness.name} "
                              f"(built once, then cached)"})
     tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
-    plays = {t.problem_statement: [teacher_replies(cfg.harness.name, t.solution_command)] for t in tasks}
     demo_cfg = msgspec.structs.replace(cfg, tasks=msgspec.structs.replace(cfg.tasks, per_family=ws.demos))
     demos = await run_eval(demo_cfg, split="demos", samples=1, ks=[1], run_dir=work / "demos",
                            engine_for=lambda c: PlaybookEngine(plays, tok), emit=emit)

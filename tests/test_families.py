@@ -8,17 +8,29 @@ import uuid
 import pytest
 
 from polar_fast.config import SandboxConfig
-from polar_fast.rollouts.families import FAMILIES, HELDOUT_SEEDS, family_task, family_tasks, heldout_digest
+from polar_fast.rollouts.families import (
+    DEMO_SEED_BASE,
+    FAMILIES,
+    HELDOUT_SEEDS,
+    TRANSFER_FAMILIES,
+    TRANSFER_SEEDS,
+    VALIDATION_SEEDS,
+    family_task,
+    family_tasks,
+    heldout_digest,
+)
 from polar_fast.rollouts.reward import evaluate, score
 from polar_fast.rollouts.sandboxes import SandboxSpec, make_sandbox_factory
 from polar_fast.rollouts.tasks import TaskError, load_tasks
 
-# Frozen when the held-out split was made, before any tuning: a change to the generators that moves
-# a held-out task must fail here. Never update this to fit a result.
-HELDOUT_DIGEST = "f1b3e5ba20cef3b58c84f74b3cd3629300968a00980f12d3923d83b068f2a8b7"
+ALL = (*FAMILIES, *TRANSFER_FAMILIES)
+
+# Frozen when the held-out and transfer splits were made, before any tuning: a change to the
+# generators that moves one of their tasks must fail here. Never update this to fit a result.
+HELDOUT_DIGEST = "b409f3b046cb67b50adb48be74ffbff2b07ce9a1603579ba8afb4da9f1df9c25"
 
 
-def test_the_heldout_split_is_frozen():
+def test_the_heldout_and_transfer_splits_are_frozen():
     assert heldout_digest() == HELDOUT_DIGEST
 
 
@@ -29,24 +41,41 @@ def test_a_seed_always_gives_the_same_task_and_seeds_differ(tmp_path):
     assert len(statements) == 8
 
 
+def test_no_heldout_or_transfer_statement_equals_a_train_demo_or_validation_one():
+    """Over far more seeds than any run uses: the eval side's vocabulary is disjoint by construction."""
+    seen = {t.problem_statement for split, n in (("train", 256), ("demos", 256), ("validation", 0))
+            for t in family_tasks(split, per_family=n)}
+    for split in ("heldout", "transfer"):
+        for task in family_tasks(split):
+            assert task.problem_statement not in seen, (split, task.instance_id)
+    validation = {t.problem_statement for t in family_tasks("validation")}
+    assert not validation & {t.problem_statement for s in ("train", "demos") for t in family_tasks(s, per_family=256)}
+
+
 def test_splits_are_disjoint_and_interleave_families():
     train = family_tasks("train", per_family=5)
-    heldout = family_tasks("heldout")
+    heldout, transfer, validation = family_tasks("heldout"), family_tasks("transfer"), family_tasks("validation")
     demos = family_tasks("demos", per_family=5)
     assert len(train) == 5 * len(FAMILIES) and len(heldout) == len(HELDOUT_SEEDS) * len(FAMILIES)
-    assert len(demos) == len(train)
-    ids = [{t.instance_id for t in split} for split in (train, heldout, demos)]
-    assert not ids[0] & ids[1] and not ids[0] & ids[2] and not ids[1] & ids[2]
+    assert len(transfer) == len(TRANSFER_SEEDS) * len(TRANSFER_FAMILIES)
+    assert len(validation) == len(VALIDATION_SEEDS) * len(FAMILIES) and len(demos) == len(train)
+    ids = [{t.instance_id for t in split} for split in (train, heldout, demos, transfer, validation)]
+    assert sum(map(len, ids)) == len(set().union(*ids))
     assert [t.repo for t in train[: len(FAMILIES)]] == [f"polar-families/{f}" for f in FAMILIES]
+    assert {t.repo for t in transfer} == {f"polar-families/{f}" for f in TRANSFER_FAMILIES}
+    assert not {t.repo for t in [*train, *demos, *validation, *heldout]} & {t.repo for t in transfer}
     assert [t.instance_id for t in load_tasks("families", split="train", per_family=5, families=["rename"])] == [
         f"family__rename-{s}" for s in range(5)]
+    assert demos[0].instance_id == f"family__{FAMILIES[0]}-{DEMO_SEED_BASE}"
 
 
 def test_bad_family_and_split_are_named():
     with pytest.raises(TaskError, match="unknown task family 'nope'"):
         family_task("nope", 0)
-    with pytest.raises(TaskError, match="splits 'train', 'heldout' and 'demos', not 'test'"):
+    with pytest.raises(TaskError, match="not 'test'"):
         family_tasks("test")
+    with pytest.raises(TaskError, match="'index' belongs to the transfer split"):
+        family_tasks("train", families=["index"])
 
 
 def test_partial_credit_is_the_fraction_of_fail_to_pass_and_zero_when_pass_to_pass_breaks():
@@ -59,7 +88,8 @@ def test_partial_credit_is_the_fraction_of_fail_to_pass_and_zero_when_pass_to_pa
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("task", [family_task(f, s) for f in FAMILIES for s in (0, 1, HELDOUT_SEEDS[0])],
+@pytest.mark.parametrize("task", [family_task(f, s) for f in ALL for s in (0, VALIDATION_SEEDS[0], HELDOUT_SEEDS[0],
+                                                                          TRANSFER_SEEDS[0])],
                          ids=lambda t: t.instance_id)
 async def test_every_family_task_holds_in_a_sandbox(task):
     factory = make_sandbox_factory(SandboxConfig(kind="local"), run_id=f"fam-{uuid.uuid4().hex[:6]}")
@@ -76,7 +106,7 @@ async def test_every_family_task_holds_in_a_sandbox(task):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("task", [family_task(f, s) for f in FAMILIES for s in (0, HELDOUT_SEEDS[1])],
+@pytest.mark.parametrize("task", [family_task(f, s) for f in ALL for s in (1, TRANSFER_SEEDS[1])],
                          ids=lambda t: t.instance_id)
 async def test_the_teacher_command_fixes_the_task(task):
     """What a teacher demonstration types (the warm start's traces) really solves the task."""

@@ -186,6 +186,8 @@ class EmbeddedEngine:
     def _serve(self) -> None:
         import torch
 
+        if self._engine_cfg.threads:  # per thread: the learner's own thread keeps its setting
+            torch.set_num_threads(self._engine_cfg.threads)
         waiting: deque[_Call] = deque()
         batch: list[_Call] = []
         updates: deque[_Update] = deque()

@@ -69,8 +69,11 @@ class Progress:
                       f"withheld as stale {summary.groups_withheld}; calls {summary.calls}, "
                       f"sampled tokens {summary.sampled_tokens}"
                       + ("; stopped early on request" if summary.stopped_early else ""))
-        for entry in getattr(summary, "evals", []):
+        evals = getattr(summary, "evals", [])
+        for entry in evals:
             console.print(f"eval at step {entry['step']}: {format_eval(entry)}")
+        if line := before_after(evals):
+            console.print(line)
         causes = getattr(summary, "causes", {})
         for harness, counts in sorted(causes.items()):  # zero_reward: rollouts; the rest: calls
             named = ", ".join(f"{c} {n}" for c, n in counts.items() if n) or "none"
@@ -78,6 +81,19 @@ class Progress:
         if summary.leftovers_removed:
             console.print(f"removed {summary.leftovers_removed} sandboxes left by an earlier run")
         console.print(f"checkpoint: {summary.checkpoint}")
+
+
+def before_after(evals: list[dict]) -> str:
+    """'held-out pass@1: 35.7% at the start (after the warm start) -> 42.9% after step 2 (+7.1
+    points; 14 heldout tasks x 1)', when the run evaluated its starting policy and a later one."""
+    first = next((e for e in evals if e["step"] == 0), None)
+    last = evals[-1] if evals else None
+    if first is None or last is first or first["pass_at"].get("1") is None or last["pass_at"].get("1") is None:
+        return ""
+    a, b = first["pass_at"]["1"], last["pass_at"]["1"]
+    return (f"{first['split']} pass@1: {100 * a:.1f}% at the start (the policy RL began from) -> {100 * b:.1f}% "
+            f"after step {last['step']} ({100 * (b - a):+.1f} points; {last['tasks']} {last['split']} tasks x "
+            f"{last['samples']})")
 
 
 def format_eval(entry: dict) -> str:

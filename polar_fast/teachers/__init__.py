@@ -1,0 +1,50 @@
+"""Teachers: scripted demonstrations of a careful agent, one per harness, typed through the real
+harness for a warm start (warm_start.py).
+
+A teacher turns a task's `FixPlan` (plan.py: what to search, read, change and check) into the
+replies a model would write in that harness's own tool format, each with a short line of
+reasoning: look around, read the file, reproduce the bug where the statement gives a call, edit,
+check, finish. The forms vary per demonstration (search and read commands, three ways to edit,
+phrasings), drawn from a generator seeded by the task, so the student learns a way of working
+rather than one command line, and copies its edit from the file it read.
+
+    replies = teacher_for("pi").replies(task)   # list[str], one per model call
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+from polar_fast.errors import PolarError
+from polar_fast.rollouts.tasks import Task
+
+
+class TeacherError(PolarError):
+    """No teacher for this harness, or a task a teacher cannot demonstrate."""
+
+
+class Teacher(Protocol):
+    harness: str
+
+    def replies(self, task: Task) -> list[str]:
+        """The model's replies, in order, that solve `task` in this harness."""
+        ...
+
+
+def rng_for(task: Task, harness: str) -> random.Random:
+    return random.Random(f"teacher:{harness}:{task.instance_id}")
+
+
+from polar_fast.teachers.mini_swe_agent import MiniSweAgentTeacher  # noqa: E402
+from polar_fast.teachers.pi import PiTeacher  # noqa: E402
+
+TEACHERS: dict[str, type] = {"mini-swe-agent": MiniSweAgentTeacher, "pi": PiTeacher}
+
+
+def teacher_for(harness: str) -> Teacher:
+    try:
+        return TEACHERS[harness]()
+    except KeyError:
+        raise TeacherError(f"warm_start: no teacher for harness {harness!r} (teachers: {', '.join(TEACHERS)}); "
+                           "set warm_start.demos = 0 and start from a model that already speaks its format") from None

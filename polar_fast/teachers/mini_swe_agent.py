@@ -1,0 +1,39 @@
+"""mini-swe-agent's teacher: reasoning text and one `bash` tool call per reply (what its
+mini.yaml asks for), ending with the submit command on its own."""
+
+from __future__ import annotations
+
+import json
+
+from polar_fast.rollouts.tasks import Task
+from polar_fast.teachers import moves, rng_for
+from polar_fast.teachers.plan import fix_plan
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent's end-of-task command
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """A tool call as SmolLM2 / Hermes-style models write it (the proxy's tool-call parser)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def bash_call(command: str) -> str:
+    return tool_call("bash", {"command": command})
+
+
+class MiniSweAgentTeacher:
+    harness = "mini-swe-agent"
+
+    def replies(self, task: Task) -> list[str]:
+        plan, rng = fix_plan(task), rng_for(task, self.harness)
+
+        def say(step: str, command: str) -> str:
+            return f"{moves.thought(step, plan, rng)}\n\n{bash_call(command)}"
+
+        out = [say("search", moves.search_command(plan, rng)), say("read", moves.read_command(plan, rng))]
+        if plan.call and rng.random() < 0.7:
+            out.append(say("reproduce", moves.reproduce_command(plan)))
+        out.append(say("edit", moves.edit_command(plan, rng)))
+        out.append(say("check", moves.check_command(plan, task.test_command)))
+        out.append(say("submit", SUBMIT))
+        return out

@@ -1,0 +1,35 @@
+"""Pi's teacher: its own tools (`bash` to search and run, `read` to read a file, `edit` with exact
+`oldText` / `newText` pairs), and a last reply with no tool call, which is how a Pi task ends."""
+
+from __future__ import annotations
+
+from polar_fast.rollouts.tasks import Task
+from polar_fast.teachers import moves, rng_for
+from polar_fast.teachers.mini_swe_agent import tool_call
+from polar_fast.teachers.plan import fix_plan
+
+
+class PiTeacher:
+    harness = "pi"
+
+    def replies(self, task: Task) -> list[str]:
+        plan, rng = fix_plan(task), rng_for(task, self.harness)
+
+        def say(step: str, name: str, arguments: dict) -> str:
+            return f"{moves.thought(step, plan, rng)}\n{tool_call(name, arguments)}"
+
+        out = [say("search", "bash", {"command": moves.search_command(plan, rng)}),
+               say("read", "read", {"path": plan.path})]
+        if plan.call and rng.random() < 0.7:
+            out.append(say("reproduce", "bash", {"command": moves.reproduce_command(plan)}))
+        by_path: dict[str, list[dict[str, str]]] = {}
+        for path, old, new in plan.edits:
+            by_path.setdefault(path, []).append({"oldText": old, "newText": new})
+        first = True
+        for path, edits in by_path.items():
+            arguments = {"path": path, "edits": edits}
+            out.append(say("edit", "edit", arguments) if first else tool_call("edit", arguments))
+            first = False
+        out.append(say("check", "bash", {"command": moves.check_command(plan, task.test_command)}))
+        out.append(moves.thought("finish", plan, rng))
+        return out
