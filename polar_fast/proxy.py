@@ -57,7 +57,7 @@ from polar_fast.capture.recorder import Recorder
 from polar_fast.capture.render import Renderer, template_message, template_tool
 from polar_fast.conversation import Completion, Conversation, Message, ToolCall
 from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
-from polar_fast.errors import ConfigError
+from polar_fast.errors import ConfigError, PolarError
 from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
@@ -167,7 +167,7 @@ def _dialect_of(request: web.Request) -> ModuleType:
     return anthropic if "anthropic-version" in request.headers else chat
 
 
-class RecordFailed(Exception):
+class RecordFailed(PolarError):
     """A call's record could not be written (disk full, log gone): the call fails with 503."""
 
 

@@ -9,6 +9,7 @@ no stage at all, and only the faces of the native extension import it.
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -153,3 +154,38 @@ def test_readme_layout_names_exactly_the_packages_that_exist():
 def test_user_docs_stand_alone():
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         assert "../shared" not in doc.read_text(), f"{doc.name} points at ../shared, which users do not have"
+
+
+BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
+                      if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def exception_classes(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Every class polar_fast defines -> its base names, for the exception check below."""
+    classes: dict[str, list[str]] = {}
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                         if isinstance(b, (ast.Name, ast.Attribute))]
+                classes[f"{module}.{node.name}"] = bases
+    return classes
+
+
+def test_every_exception_derives_from_polar_error():
+    classes = exception_classes(module_sources())
+    by_name = {qualified.rsplit(".", 1)[1]: bases for qualified, bases in classes.items()}
+
+    def ancestors(name: str, seen: frozenset = frozenset()) -> set[str]:
+        out = {name}
+        for base in by_name.get(name, []):
+            if base not in seen:
+                out |= ancestors(base, seen | {name})
+        return out
+
+    strays = []
+    for qualified, bases in classes.items():
+        found = ancestors(qualified.rsplit(".", 1)[1])
+        if found & BUILTIN_EXCEPTIONS and "PolarError" not in found and not qualified.endswith(".PolarError"):
+            strays.append(qualified)
+    assert strays == [], f"exceptions that do not derive from errors.PolarError: {strays}"

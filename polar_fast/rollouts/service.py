@@ -47,7 +47,7 @@ import msgspec
 from aiohttp import web
 
 from polar_fast.config import Config, RolloutServiceConfig
-from polar_fast.errors import ConfigError
+from polar_fast.errors import ConfigError, PolarError
 from polar_fast.merge.arrays import EXTRA_FIELDS, TOKEN_FIELDS, Merged
 from polar_fast.pools import GroupSpec, Pools, RolloutGroup
 from polar_fast.records import CallRecord, Record, RolloutRecord
@@ -81,7 +81,9 @@ class _Group:
     batch: bytes = b""
 
 
-class ServiceError(Exception):
+class ServiceError(PolarError):
+    """A request the service refuses; answered with `status` and the message."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from polar_fast.conversation import Message
+from polar_fast.errors import PolarError
 
 ErrorKind = Literal[
     "invalid_request", "authentication", "not_found", "too_large", "context_length", "engine", "timeout", "internal"
@@ -95,7 +96,7 @@ def fold_items(fold: Fold, items: Any, first: int = 0) -> Fold:
     return fold
 
 
-class DialectError(Exception):
+class DialectError(PolarError):
     """Bad input from the caller, answered in its dialect with `status`."""
 
     def __init__(self, message: str, *, status: int = 400, kind: ErrorKind = "invalid_request") -> None:
