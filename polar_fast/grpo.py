@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from polar_fast.config import LAYOUTS as MERGE_LAYOUTS
 from polar_fast.config import Config, LearnerConfig
 from polar_fast.learner import losses, packed_attention, packed_check
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -52,7 +53,7 @@ from polar_fast.learner.packed_forward import PackedLM, Terms, batch_tensors, lo
 from polar_fast.learner.weight_sync import WeightStream
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
 
-LAYOUTS = ("tree", "paths", "percall")
+LAYOUTS = (*MERGE_LAYOUTS, "percall")  # the merge's layouts, and one sequence per call (the baseline)
 
 # ------------------------------------------------------------------------------ packed batches
 

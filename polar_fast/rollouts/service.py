@@ -48,7 +48,7 @@ from aiohttp import web
 
 from polar_fast.config import Config, RolloutServiceConfig
 from polar_fast.errors import ConfigError, PolarError
-from polar_fast.merge.arrays import EXTRA_FIELDS, TOKEN_FIELDS, Merged
+from polar_fast.merge.arrays import ARRAY_FIELDS, Merged
 from polar_fast.pools import GroupSpec, Pools, RolloutGroup
 from polar_fast.records import CallRecord, Record, RolloutRecord
 from polar_fast.rollouts.tasks import Task, TaskError, parse_task
@@ -56,7 +56,6 @@ from polar_fast.signals import StopSignal
 
 FRAME_HEADER = struct.Struct("<I")
 MAX_GROUP_SIZE = 1024
-ARRAY_FIELDS = TOKEN_FIELDS + ("offsets",) + EXTRA_FIELDS
 
 
 class _Submit(msgspec.Struct, forbid_unknown_fields=True):
