@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from polar_fast.rollouts.tasks import Task, TaskError, parse_task, snapshot_commit
+from polar_fast.rollouts.task_rows import Task, TaskError, parse_task, snapshot_commit
 
 HELDOUT_SEEDS = range(1_000_000, 1_000_006)  # per family: 6 x 4 families = 24 held-out tasks
 DEMO_SEED_BASE = 500_000  # "demos": teacher demonstrations for a warm start, apart from train and held-out
