@@ -67,9 +67,9 @@ def _own_logprobs(model, calls):
 
 def _step(model, calls, rollouts, device: str, **learner_options) -> tuple[float, float, float, float]:
     """Loss, grad norm, mean importance ratio and seconds of one GRPO step from a fresh copy of `model`."""
-    merge, _ = learner_bench.merge_module()
     cfg = LearnerConfig(lr=1e-4, device=device, check_packed=False, **learner_options)
-    learner = Learner(cfg, copy.deepcopy(model), layout="tree", max_tokens=8192, merge_impl=merge)
+    learner = Learner(cfg, copy.deepcopy(model), layout="tree", max_tokens=8192,
+                      merge_impl=learner_bench.merge_impl())
     started = time.perf_counter()
     metrics = learner.step(calls, rollouts)
     learner_bench._sync(device)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small traces (the CPU smoke run)")
     args = p.parse_args(argv)
     print(f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
-          + f", torch {torch.__version__}, merge {learner_bench.merge_module()[1]}")
+          + f", torch {torch.__version__}, merge {learner_bench.merge_impl()}")
     errors: list[str] = []
 
     print("\n== 1. learner bench")

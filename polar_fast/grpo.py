@@ -37,7 +37,6 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Iterator, Sequence
 
 import msgspec
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from polar_fast import merge
 from polar_fast.config import LAYOUTS as MERGE_LAYOUTS
 from polar_fast.config import Config, LearnerConfig
 from polar_fast.learner import losses, packed_attention, packed_check
@@ -108,13 +108,13 @@ def percall_batches(calls: Sequence[CallRecord]) -> list[Any]:
 
 
 def _group_batches(
-    calls: list[CallRecord], layout: str, max_tokens: int, merge_impl: ModuleType
+    calls: list[CallRecord], layout: str, max_tokens: int, merge_impl: merge.Impl
 ) -> list[tuple[Any, list[str]]]:
     """(micro-batch, rollout_ids its `rollout` indexes into) for one group's calls."""
     if layout == "percall":
         return [(mb, [c.rollout_id]) for mb, c in zip(percall_batches(calls), calls)]
-    merged = merge_impl.merge(calls, layout=layout)
-    return [(mb, merged.rollout_ids) for mb in merge_impl.pack(merged, max_tokens=max_tokens)]
+    merged = merge.merge(calls, layout=layout, impl=merge_impl)
+    return [(mb, merged.rollout_ids) for mb in merge.pack(merged, max_tokens=max_tokens, impl=merge_impl)]
 
 
 def build_step_batch(
@@ -124,13 +124,11 @@ def build_step_batch(
     *,
     layout: str = "tree",
     max_tokens: int = 8192,
-    merge_impl: ModuleType | None = None,
+    merge_impl: merge.Impl = "rust",
 ) -> StepBatch:
     """Advantages -> per-group merge -> pack -> loss terms -> aggregation weights."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    if merge_impl is None:
-        from polar_fast import merge as merge_impl
     advantages = losses.rollout_advantages(rollouts, cfg.advantage)
     scored = [r.reward for r in rollouts if r.outcome != Outcome.INFRA_ERROR and r.reward is not None]
     by_group: dict[str, list[CallRecord]] = {}
@@ -163,7 +161,7 @@ def trains_on(rollouts: Sequence[RolloutRecord], cfg: LearnerConfig) -> bool:
 
 def nll_step_batch(
     rows: Sequence[tuple[Sequence[int], Sequence[int]]], *, layout: str = "tree", max_tokens: int = 8192,
-    merge_impl: ModuleType | None = None,
+    merge_impl: merge.Impl = "rust",
 ) -> StepBatch:
     """Supervised fine-tuning on token rows (input_ids, loss_mask), as `export` writes them: every
     masked token one term, all terms weighted the same (token mean). Each row's masked runs become
@@ -172,8 +170,6 @@ def nll_step_batch(
     row. Train it with `Learner.train_step(batch, objective="nll")`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    if merge_impl is None:
-        from polar_fast import merge as merge_impl
     calls = []
     for r, (ids, mask) in enumerate(rows):
         if len(mask) != len(ids):
@@ -261,7 +257,7 @@ class Learner:
         *,
         layout: str = "tree",
         max_tokens: int = 8192,
-        merge_impl: ModuleType | None = None,
+        merge_impl: merge.Impl = "rust",
         temperature: float = 1.0,
         weights_from: torch.nn.Module | None = None,
     ) -> None:
@@ -305,7 +301,7 @@ class Learner:
         self.version = 0
 
     @classmethod
-    def from_config(cls, cfg: Config, *, merge_impl: ModuleType | None = None) -> Learner:
+    def from_config(cls, cfg: Config, *, merge_impl: merge.Impl = "rust") -> Learner:
         """Under torchrun only rank 0 reads the weights (into CPU memory); every rank builds the
         model on the meta device and receives its shard, so no GPU ever holds the whole fp32
         model and the host holds one copy, not one per rank."""

@@ -11,7 +11,6 @@ from test_packed_forward import branchy_calls, tiny_llama, tiny_qwen35
 
 from polar_fast.config import LearnerConfig
 from polar_fast.grpo import Learner
-from polar_fast.merge import reference as merge_reference
 from polar_fast.records import Outcome, RolloutRecord
 
 
@@ -23,7 +22,7 @@ def rollouts(rewards: dict[str, float | None]) -> list[RolloutRecord]:
 
 def learner(layout: str = "tree", **cfg) -> Learner:
     cfg.setdefault("lr", 1e-3)
-    return Learner(LearnerConfig(**cfg), tiny_llama(), layout=layout, max_tokens=48, merge_impl=merge_reference)
+    return Learner(LearnerConfig(**cfg), tiny_llama(), layout=layout, max_tokens=48, merge_impl="reference")
 
 
 def params(lrn: Learner) -> torch.Tensor:
@@ -60,7 +59,7 @@ def test_hybrid_model_layouts_take_the_same_step(gradient_checkpointing):
     results = {}
     for layout in ("percall", "paths", "tree"):
         lrn = Learner(LearnerConfig(lr=1e-3, gradient_checkpointing=gradient_checkpointing), tiny_qwen35(),
-                      layout=layout, max_tokens=48, merge_impl=merge_reference)
+                      layout=layout, max_tokens=48, merge_impl="reference")
         results[layout] = (lrn.step(calls, rs), params(lrn))
     base_m, base_p = results["percall"]
     for layout in ("paths", "tree"):

@@ -35,11 +35,10 @@ def _factory():
 
     from polar_fast.config import LearnerConfig
     from polar_fast.grpo import Learner
-    from polar_fast.merge import reference as merge_reference
 
     # max_tokens 40 -> several micro-batches, an odd count, so one rank runs a filler pass
     return lambda: Learner(LearnerConfig(lr=1e-3), tiny_llama(), layout="tree", max_tokens=40,
-                           merge_impl=merge_reference)
+                           merge_impl="reference")
 
 
 @pytest.mark.slow

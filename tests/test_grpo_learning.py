@@ -16,7 +16,6 @@ from polar_fast.engines import Sampling
 from polar_fast.engines.embedded import EmbeddedEngine
 from polar_fast.grpo import Learner
 from polar_fast.learner.weight_sync import EngineSync
-from polar_fast.merge import reference as merge_reference
 from polar_fast.model import load_model, load_tokenizer
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
 
@@ -62,7 +61,7 @@ async def test_mean_reward_rises(tiny_model_dir):
     def setup() -> tuple[EmbeddedEngine, Learner]:  # loading reads files: off the event loop
         engine = EmbeddedEngine(ModelConfig(path=tiny_model_dir), EngineConfig())
         learner = Learner(LearnerConfig(lr=2e-2, grad_clip=1.0), load_model(tiny_model_dir),
-                          layout="tree", max_tokens=512, merge_impl=merge_reference)
+                          layout="tree", max_tokens=512, merge_impl="reference")
         return engine, learner
 
     engine, learner = await anyio.to_thread.run_sync(setup)

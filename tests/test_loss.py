@@ -11,7 +11,6 @@ import torch
 from polar_fast.config import LearnerConfig
 from polar_fast.grpo import build_step_batch
 from polar_fast.learner import losses
-from polar_fast.merge import reference as merge_reference
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
 
 
@@ -124,7 +123,7 @@ def _calls() -> list[CallRecord]:
 def test_per_rollout_weight_independent_of_split(layout, max_tokens):
     rollouts = [_rollout("a", "g", 1.0), _rollout("b", "g", 0.0)]
     batch = build_step_batch(_calls(), rollouts, LearnerConfig(), layout=layout, max_tokens=max_tokens,
-                             merge_impl=merge_reference)
+                             merge_impl="reference")
     total = {0: 0.0, 1: 0.0}
     for keys, weights in zip(batch.keys_rollout, batch.weights):
         for k, w in zip(keys, weights):
@@ -138,6 +137,6 @@ def test_per_rollout_weight_independent_of_split(layout, max_tokens):
 def test_token_mean_weights_are_uniform():
     rollouts = [_rollout("a", "g", 1.0), _rollout("b", "g", 0.0)]
     cfg = LearnerConfig(aggregation="token-mean")
-    batch = build_step_batch(_calls(), rollouts, cfg, layout="tree", max_tokens=32, merge_impl=merge_reference)
+    batch = build_step_batch(_calls(), rollouts, cfg, layout="tree", max_tokens=32, merge_impl="reference")
     flat = np.concatenate(batch.weights)
     assert flat == pytest.approx(np.full(14, 1 / 14))
