@@ -39,6 +39,7 @@ import learner_bench  # noqa: E402
 
 from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
+from polar_fast.testing import groups_of  # noqa: E402
 
 FLEX_LOSS_TOL = 1e-4  # fp32: the kernels differ only in summation order
 FLEX_GRAD_TOL = 1e-3  # relative grad norm
@@ -71,7 +72,7 @@ def _step(model, calls, rollouts, device: str, **learner_options) -> tuple[float
     learner = Learner(cfg, copy.deepcopy(model), layout="tree", max_tokens=8192,
                       merge_impl=learner_bench.merge_impl())
     started = time.perf_counter()
-    metrics = learner.step(calls, rollouts)
+    metrics = learner.step(groups_of(calls, rollouts))
     learner_bench._sync(device)
     return metrics.loss, metrics.grad_norm, metrics.ratio_mean, time.perf_counter() - started
 

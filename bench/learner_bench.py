@@ -41,6 +41,7 @@ from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
 from polar_fast.learner import packed_recurrence  # noqa: E402
 from polar_fast.records import CallRecord, Outcome, RolloutRecord  # noqa: E402
+from polar_fast.testing import groups_of  # noqa: E402
 
 LAYOUTS = ("percall", "paths", "tree")
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, dict]:
         learners[layout] = Learner(cfg, copy.deepcopy(model), layout=layout, max_tokens=args.max_tokens,
                                    merge_impl=impl)
         t0 = time.perf_counter()
-        batches[layout] = batch = learners[layout].prepare(calls, rollouts)
+        batches[layout] = batch = learners[layout].prepare(groups_of(calls, rollouts))
         rows[layout] = {"tokens": batch.n_tokens, "micro_batches": len(batch.micro_batches),
                         "terms": batch.n_terms, "prepare_s": time.perf_counter() - t0,
                         "scan_calls": _scan_calls(batch) if learners[layout].policy.recurrent else 0}

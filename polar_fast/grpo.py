@@ -51,7 +51,8 @@ from polar_fast.learner import losses, packed_attention, packed_check
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.learner.packed_forward import PackedLM, Terms, batch_tensors, loss_terms
 from polar_fast.learner.weight_sync import WeightStream
-from polar_fast.records import CallRecord, Outcome, RolloutRecord
+from polar_fast.records import CallRecord, Outcome
+from polar_fast.rollouts.groups import GroupRecord
 
 LAYOUTS = (*MERGE_LAYOUTS, "percall")  # the merge's layouts, and one sequence per call (the baseline)
 
@@ -118,27 +119,27 @@ def _group_batches(
 
 
 def build_step_batch(
-    calls: Sequence[CallRecord],
-    rollouts: Sequence[RolloutRecord],
+    groups: Sequence[GroupRecord],
     cfg: LearnerConfig,
     *,
     layout: str = "tree",
     max_tokens: int = 8192,
     merge_impl: merge.Impl = "rust",
 ) -> StepBatch:
-    """Advantages -> per-group merge -> pack -> loss terms -> aggregation weights."""
+    """Per group: advantages -> merge of the calls of the rollouts that have one -> pack; then
+    loss terms and aggregation weights over the whole step."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    advantages = losses.rollout_advantages(rollouts, cfg.advantage)
-    scored = [r.reward for r in rollouts if r.outcome != Outcome.INFRA_ERROR and r.reward is not None]
-    by_group: dict[str, list[CallRecord]] = {}
-    for c in calls:
-        if c.rollout_id in advantages:
-            by_group.setdefault(c.group_id, []).append(c)
+    per_group = [(g, losses.rollout_advantages(g.records, cfg.advantage)) for g in groups]
+    advantages = {rid: a for _, adv in per_group for rid, a in adv.items()}
+    scored = [r.reward for g in groups for r in g.records if r.outcome != Outcome.INFRA_ERROR and r.reward is not None]
     rollout_index = {rid: i for i, rid in enumerate(sorted(advantages))}
     mbs, terms, advs, keys_r, keys_s = [], [], [], [], []
     n_seq = 0
-    for group_calls in by_group.values():
+    for group, adv in per_group:
+        group_calls = [c for r in group.rollouts if r.record.rollout_id in adv for c in r.calls]
+        if not group_calls:
+            continue
         for mb, rollout_ids in _group_batches(group_calls, layout, max_tokens, merge_impl):
             t = loss_terms(mb)
             rids = [rollout_ids[i] for i in t.rollout]
@@ -153,10 +154,10 @@ def build_step_batch(
                      reward_mean=float(np.mean(scored)) if scored else math.nan)
 
 
-def trains_on(rollouts: Sequence[RolloutRecord], cfg: LearnerConfig) -> bool:
-    """Whether a step would train on any of these rollouts: the rule build_step_batch applies
-    (scored rollouts, at least two per group, rewards not all equal)."""
-    return bool(losses.rollout_advantages(rollouts, cfg.advantage))
+def trains_on(group: GroupRecord, cfg: LearnerConfig) -> bool:
+    """Whether a step would train on any of this group's rollouts: the rule build_step_batch
+    applies (scored rollouts, at least two, rewards not all equal)."""
+    return bool(losses.rollout_advantages(group.records, cfg.advantage))
 
 
 def nll_step_batch(
@@ -358,12 +359,12 @@ class Learner:
 
     # ------------------------------------------------------------------------------- the step
 
-    def prepare(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]) -> StepBatch:
-        return build_step_batch(calls, rollouts, self.cfg, layout=self.layout,
-                                max_tokens=self.max_tokens, merge_impl=self.merge_impl)
+    def prepare(self, groups: Sequence[GroupRecord]) -> StepBatch:
+        return build_step_batch(groups, self.cfg, layout=self.layout, max_tokens=self.max_tokens,
+                                merge_impl=self.merge_impl)
 
-    def step(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]) -> StepMetrics:
-        return self.train_step(self.prepare(calls, rollouts))
+    def step(self, groups: Sequence[GroupRecord]) -> StepMetrics:
+        return self.train_step(self.prepare(groups))
 
     def train_step(self, batch: StepBatch, *, objective: str = "grpo") -> StepMetrics:
         """Forward/backward every micro-batch this rank owns, then one clipped AdamW step.

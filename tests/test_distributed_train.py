@@ -107,11 +107,12 @@ def test_two_rank_run_matches_a_single_process_step(tmp_path):
     calls = step_order(list(log.calls), rollouts)
 
     from polar_fast.grpo import Learner
+    from polar_fast.testing import groups_of
 
     torch.manual_seed(0)
     single = Learner.from_config(load_config(config))
     before = {k: v.clone() for k, v in single.policy.state_dict().items()}
-    expected = single.step(calls, rollouts)
+    expected = single.step(groups_of(calls, rollouts))
     assert expected.n_micro_batches == 2
     assert metrics["learner/n_micro_batches"] == expected.n_micro_batches
     assert metrics["learner/n_terms"] == expected.n_terms > 0

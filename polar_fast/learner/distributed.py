@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import msgspec
 
 from polar_fast.errors import ConfigError
-from polar_fast.records import CallRecord, RolloutRecord
+from polar_fast.rollouts.groups import GroupRecord
 
 if TYPE_CHECKING:
     from polar_fast.config import Config
@@ -52,8 +52,7 @@ CONTROL_TIMEOUT = timedelta(days=7)  # a follower's longest wait for rank 0's ne
 class Message(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["step", "sync", "save", "resume", "stop"]
     directory: str = ""
-    calls: list[CallRecord] = []
-    rollouts: list[RolloutRecord] = []
+    groups: list[GroupRecord] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -124,9 +123,9 @@ class Leader:
     def _send(self, message: Message) -> None:
         _broadcast(message, self._group)
 
-    def step(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]):
-        self._send(Message(kind="step", calls=list(calls), rollouts=list(rollouts)))
-        return self.learner.step(calls, rollouts)
+    def step(self, groups: Sequence[GroupRecord]):
+        self._send(Message(kind="step", groups=list(groups)))
+        return self.learner.step(groups)
 
     async def sync_weights(self, sync: Any) -> None:
         """As Learner.sync_weights, with the gathering off the event loop."""
@@ -171,7 +170,7 @@ def follow(cfg: Config) -> int:
         message = _broadcast(None, group)
         match message.kind:
             case "step":
-                learner.step(message.calls, message.rollouts)
+                learner.step(message.groups)
                 steps += 1
             case "sync":
                 for _ in learner.weight_stream():  # the gathers are the collective part, in rank 0's order

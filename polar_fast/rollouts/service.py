@@ -49,8 +49,9 @@ from aiohttp import web
 from polar_fast.config import Config, RolloutServiceConfig
 from polar_fast.errors import ConfigError, PolarError
 from polar_fast.merge.arrays import ARRAY_FIELDS, Merged
-from polar_fast.pools import GroupSpec, Pools, RolloutGroup
-from polar_fast.records import CallRecord, Record, RolloutRecord
+from polar_fast.pools import Pools
+from polar_fast.records import Record, RolloutRecord
+from polar_fast.rollouts.groups import GroupRecord, GroupSpec
 from polar_fast.rollouts.tasks import Task, TaskError, parse_task
 from polar_fast.signals import StopSignal
 
@@ -89,9 +90,9 @@ class ServiceError(PolarError):
         self.message = message
 
 
-def encode_batch(group: RolloutGroup, merged: Merged, seq: int) -> bytes:
+def encode_batch(group: GroupRecord, merged: Merged, seq: int) -> bytes:
     """The msgpack batch of one finished group (format in the module docstring)."""
-    rewards = {r.rollout_id: r.reward for r in group.rollouts}
+    rewards = {r.rollout_id: r.reward for r in group.records}
     arrays = {}
     for name in ARRAY_FIELDS:
         a = getattr(merged, name)
@@ -99,7 +100,7 @@ def encode_batch(group: RolloutGroup, merged: Merged, seq: int) -> bytes:
     return msgspec.msgpack.encode({
         "group_id": group.group_id, "task_id": group.task.instance_id, "seq": seq, "layout": merged.layout,
         "rollout_ids": merged.rollout_ids, "rewards": [rewards.get(rid) for rid in merged.rollout_ids],
-        "rollouts": group.rollouts, "stats": merged.stats, "arrays": arrays,
+        "rollouts": group.records, "stats": merged.stats, "arrays": arrays,
     })
 
 
@@ -116,15 +117,12 @@ def decode_batch(data: bytes) -> dict[str, Any]:
 class RolloutService:
     """Submitted groups -> the pools' task source; finished groups -> merged, encoded batches.
 
-    `take_calls(rollout_ids, group_id)` hands over a finished group's captured calls (the harness
-    agent's); `record` appends a record to the run's log (the proxy's recorder)."""
+    `record` appends a record to the run's log (the proxy's recorder)."""
 
     def __init__(self, cfg: RolloutServiceConfig, *, default_group_size: int,
-                 take_calls: Callable[[list[str], str], list[CallRecord]],
                  record: Callable[[Record], Awaitable[None]], builtin: dict[str, Task] | None = None) -> None:
         self.cfg = cfg
         self.default_group_size = default_group_size
-        self.take_calls = take_calls
         self.record = record
         self.builtin = builtin or {}
         self.pools: Pools | None = None
@@ -161,12 +159,11 @@ class RolloutService:
                                     f"{self.cfg.keep_groups} newer groups finished)")
         return group
 
-    async def on_group(self, done: RolloutGroup) -> None:
+    async def on_group(self, done: GroupRecord) -> None:
         """The pools' callback: log the rollouts, merge the calls, keep the encoded batch."""
         from polar_fast.merge import merge
 
-        calls = self.take_calls([r.rollout_id for r in done.rollouts], done.group_id)
-        for rollout in done.rollouts:
+        for rollout in done.records:
             await self.record(rollout)
         group = self._groups.get(done.group_id)
         if group is None:  # not submitted here: cannot happen with this service's task source
@@ -175,11 +172,11 @@ class RolloutService:
         self._next_seq += 1
 
         def build() -> bytes:  # merge (GIL released) and encode off the event loop
-            return encode_batch(done, merge(calls, layout=self.cfg.layout), seq)
+            return encode_batch(done, merge(done.calls, layout=self.cfg.layout), seq)
 
         group.batch = await asyncio.to_thread(build)
         group.status.status, group.status.seq = "done", seq
-        group.status.finished_at, group.status.rollouts = time.time(), list(done.rollouts)
+        group.status.finished_at, group.status.rollouts = time.time(), done.records
         self._pending -= 1
         self._finished.append(group)
         while len(self._finished) > self.cfg.keep_groups:
@@ -329,8 +326,7 @@ async def open_rollout_service(cfg: Config, *, host: str | None = None,
     await asyncio.to_thread(run_dir.mkdir, parents=True, exist_ok=True)
     builtin = {t.instance_id: t for t in await asyncio.to_thread(load_builtin)}
     async with open_rollouts(cfg, run_dir) as r:
-        service = RolloutService(sc, default_group_size=cfg.pools.group_size, take_calls=r.agent.take_calls,
-                                 record=r.proxy.record, builtin=builtin)
+        service = RolloutService(sc, default_group_size=cfg.pools.group_size, record=r.proxy.record, builtin=builtin)
         runner = web.AppRunner(service.make_app(), handle_signals=False, access_log=None)
         async with asyncio.TaskGroup() as tg:
             pools = tg.create_task(service.run(r.pools()))
