@@ -30,6 +30,7 @@ import msgspec
 
 from polar_fast.config import Config
 from polar_fast.errors import PolarError
+from polar_fast.pools import Pools
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
 from polar_fast.rollouts.tasks import Task, load_tasks
@@ -127,7 +128,7 @@ async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *,
 
     stamp = f"eval{int(time.time() * 1000) % 10**8}"
     specs = [GroupSpec(task=t, group_id=f"{stamp}-{t.instance_id}", group_size=samples) for t in tasks]
-    await rollouts.pools(group_size=samples).run(specs, done)
+    await Pools.for_rollouts(rollouts, group_size=samples).run(specs, done)
     return out
 
 

@@ -1,6 +1,7 @@
 """The three worker pools: boot -> agent -> eval, joined by bounded queues.
 
     pools = Pools(cfg.pools, factory, agent, agent_timeout_s=cfg.harness.timeout_s)
+    # or, on an open rollout stack (rollouts/stack.py): pools = Pools.for_rollouts(rollouts)
     await pools.run(tasks, on_group)   # on_group(GroupRecord) is awaited once per finished group
 
 - boot: `boot_workers` create + start + prepare a sandbox (the task repo at base_commit, history
@@ -46,9 +47,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import math
 import time
-from typing import Any, AsyncIterable, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterable, Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
@@ -60,6 +62,9 @@ from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
 from polar_fast.rollouts.reward import EvalResult, evaluate
 from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec
 from polar_fast.rollouts.tasks import Task, TaskError, prepare_repo, repo_diff
+
+if TYPE_CHECKING:
+    from polar_fast.rollouts.stack import Rollouts
 
 HISTOGRAM_BOUNDS_S = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000)  # upper bucket edges, seconds
 INFRA_ERRORS = (SandboxError, TaskError, TimeoutError, OSError)
@@ -195,6 +200,17 @@ class Pools:
         self._straggling: dict[str, float] = {}  # group id -> when only its stragglers were left
         self._partial: set[str] = set()  # groups handed on without their stragglers
         self._partial_groups = 0
+
+    @classmethod
+    def for_rollouts(cls, rollouts: Rollouts, *, group_size: int | None = None, **options: Any) -> Pools:
+        """Pools on an open rollout stack: its sandbox factory and harness agent, the run's pools
+        config and reward mode. group_size: per group (evaluation samples); options: the keywords
+        above (max_groups_in_flight, partial_group_after_s, on_late)."""
+        cfg = rollouts.cfg
+        pools_cfg = cfg.pools if group_size is None else msgspec.structs.replace(cfg.pools, group_size=group_size)
+        score = evaluate if cfg.tasks.reward == "binary" else functools.partial(evaluate, mode=cfg.tasks.reward)
+        return cls(pools_cfg, rollouts.factory, rollouts.agent, agent_timeout_s=cfg.harness.timeout_s, score=score,
+                   **options)
 
     def statistics(self) -> PoolsStatistics:
         return PoolsStatistics(

@@ -160,8 +160,8 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 evaluator = _PeriodicEval(cfg, rollouts, metrics, summary, emit)
                 if cfg.eval.at_start and learner.step_count == 0:
                     await evaluator.run(0)
-                pools = rollouts.pools(max_groups_in_flight=groups_in_flight(cfg.run),
-                                       partial_group_after_s=cfg.run.partial_group_after_s)
+                pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
+                                           partial_group_after_s=cfg.run.partial_group_after_s)
                 loop = _Loop(rollouts.cfg, learner=learner, sync=sync, pools=pools, proxy=rollouts.proxy,
                              metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator)
                 pools.on_late = loop.on_late

@@ -17,7 +17,8 @@ from polar_fast.config import RolloutServiceConfig, parse_config
 from polar_fast.errors import ConfigError
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
 from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
-from polar_fast.rollouts.service import FRAME_HEADER, RolloutService, decode_batch, open_rollout_service
+from polar_fast.rollouts.service import FRAME_HEADER, RolloutService, decode_batch
+from polar_fast.serve import open_rollout_service
 from polar_fast.rollouts.tasks import load_builtin
 from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
 from polar_fast.warm_start import bash_call

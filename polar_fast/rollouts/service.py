@@ -1,8 +1,8 @@
 """The rollout service: polar_fast as the rollout generator of an external trainer.
 
 One process runs the pools, the harness agents, the capture proxy and the engine, exactly as a
-training run does (rollouts/stack.py), and answers a small HTTP API on its own port
-(`[rollout_service] host/port`), apart from the proxy: the proxy faces harnesses in sandboxes,
+training run does (rollouts/stack.py; serve.py starts it), and answers a small HTTP API on its own
+port (`[rollout_service] host/port`), apart from the proxy: the proxy faces harnesses in sandboxes,
 this faces a trainer, behind its own key (`api_key`, Bearer or x-api-key; required off loopback).
 
     POST /rollouts/groups             {"task": <SWE-bench row> | "<builtin instance_id>",
@@ -32,28 +32,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import math
 import secrets
 import struct
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterable, Awaitable, Callable, Protocol
 
 import anyio
 import msgspec
 from aiohttp import web
 
-from polar_fast.config import Config, RolloutServiceConfig
-from polar_fast.errors import ConfigError, PolarError
+from polar_fast.config import RolloutServiceConfig
+from polar_fast.errors import PolarError
 from polar_fast.merge.arrays import ARRAY_FIELDS, Merged
-from polar_fast.pools import Pools
 from polar_fast.records import Record, RolloutRecord
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
 from polar_fast.rollouts.tasks import Task, TaskError, parse_task
-from polar_fast.signals import StopSignal
 
 FRAME_HEADER = struct.Struct("<I")
 MAX_GROUP_SIZE = 1024
@@ -114,6 +109,14 @@ def decode_batch(data: bytes) -> dict[str, Any]:
     return batch
 
 
+class GroupRunner(Protocol):
+    """What the service runs the submitted groups on: pools.Pools."""
+
+    async def run(self, tasks: AsyncIterable[GroupSpec], on_group: Callable[[GroupRecord], Awaitable[None]]) -> None: ...
+
+    def statistics(self) -> Any: ...
+
+
 class RolloutService:
     """Submitted groups -> the pools' task source; finished groups -> merged, encoded batches.
 
@@ -125,7 +128,7 @@ class RolloutService:
         self.default_group_size = default_group_size
         self.record = record
         self.builtin = builtin or {}
-        self.pools: Pools | None = None
+        self.pools: GroupRunner | None = None
         self._send, self._receive = anyio.create_memory_object_stream[GroupSpec](math.inf)  # bounded below
         self._groups: dict[str, _Group] = {}
         self._finished: collections.deque[_Group] = collections.deque()
@@ -191,7 +194,7 @@ class RolloutService:
     def finished_after(self, seq: int) -> list[_Group]:
         return [g for g in self._finished if g.status.seq > seq]
 
-    async def run(self, pools: Pools) -> None:
+    async def run(self, pools: GroupRunner) -> None:
         """Run the pools on the submitted groups until `close()` and every pending group is done
         (or until cancelled: in-flight rollouts are abandoned and their sandboxes removed)."""
         self.pools = pools
@@ -291,62 +294,3 @@ class RolloutService:
 
 def _json(value: Any, *, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(value), status=status, content_type="application/json")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-# ------------------------------------------------------------------------------------ the process
-
-
-@dataclass(eq=False)
-class RunningService:
-    service: RolloutService
-    url: str  # http://HOST:PORT of the service API
-    rollouts: Any  # rollouts.Rollouts: proxy, engine, agent, factory
-
-
-@asynccontextmanager
-async def open_rollout_service(cfg: Config, *, host: str | None = None,
-                               port: int | None = None) -> AsyncIterator[RunningService]:
-    """Engine, proxy, pools and the service API, for the life of the block. On exit the service
-    stops taking groups, open streams end, and in-flight rollouts are abandoned (sandboxes removed)."""
-    from polar_fast.rollouts.stack import open_rollouts
-    from polar_fast.rollouts.tasks import load_builtin
-
-    sc = msgspec.structs.replace(cfg.rollout_service, host=host or cfg.rollout_service.host,
-                                 port=cfg.rollout_service.port if port is None else port)
-    if not _is_loopback(sc.host) and not sc.api_key:
-        raise ConfigError(f"rollout_service.host={sc.host!r} listens beyond loopback: set rollout_service.api_key")
-    run_dir = Path(cfg.run.output_dir)
-    await asyncio.to_thread(run_dir.mkdir, parents=True, exist_ok=True)
-    builtin = {t.instance_id: t for t in await asyncio.to_thread(load_builtin)}
-    async with open_rollouts(cfg, run_dir) as r:
-        service = RolloutService(sc, default_group_size=cfg.pools.group_size, record=r.proxy.record, builtin=builtin)
-        runner = web.AppRunner(service.make_app(), handle_signals=False, access_log=None)
-        async with asyncio.TaskGroup() as tg:
-            pools = tg.create_task(service.run(r.pools()))
-            try:
-                await runner.setup()
-                site = web.TCPSite(runner, sc.host, sc.port)
-                await site.start()
-                bound = site._server.sockets[0].getsockname()[1]  # the real port when port == 0
-                yield RunningService(service, f"http://{f'[{sc.host}]' if ':' in sc.host else sc.host}:{bound}", r)
-            finally:
-                service.close()
-                pools.cancel()
-                await runner.cleanup()
-
-
-async def serve_rollouts(cfg: Config, *, host: str | None = None, port: int | None = None) -> None:
-    """Run the service until SIGINT/SIGTERM (the CLI's entry point)."""
-    with StopSignal() as stop:
-        async with open_rollout_service(cfg, host=host, port=port) as running:
-            print(f"polar_fast rollout service on {running.url}  (proxy {running.rollouts.proxy.base_url}, "
-                  f"harness {cfg.harness.name}, engine {cfg.engine.kind})", flush=True)
-            print(f"submit: curl -X POST {running.url}/rollouts/groups -d '{{\"task\": \"<builtin id>\"}}'", flush=True)
-            await stop.event.wait()
