@@ -57,6 +57,8 @@ class EngineConfig(_Section):
     weight_sync: Literal["disk", "transfer"] = "disk"  # vllm: reload a saved file, or NCCL broadcast (GPU learner)
     transfer_port: int = 0  # weight_sync = "transfer": the NCCL rendezvous port on the learner (0 = a free one)
     device: str = "cpu"  # embedded: torch device
+    max_batch: int = 0  # embedded: calls decoded together (0 = pools.agent_workers); memory grows with batch x context
+    prefill_chunk_tokens: int = 256  # embedded: prompt tokens prefilled per step beside the batch's decode tokens
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights; vllm started by polar_fast: --dtype
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)
 
@@ -252,6 +254,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
+
+
+def engine_config(cfg: Config) -> EngineConfig:
+    """`[engine]` with its run-dependent default filled in: the embedded engine batches as many
+    calls as the agent pool runs at once (`max_batch = 0` means `pools.agent_workers`)."""
+    if cfg.engine.max_batch:
+        return cfg.engine
+    return msgspec.structs.replace(cfg.engine, max_batch=cfg.pools.agent_workers)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
 
-from polar_fast.config import Config
+from polar_fast.config import Config, engine_config
 from polar_fast.records import RecordLog
 from polar_fast.signals import StopSignal
 
@@ -39,7 +39,7 @@ async def serve_forever(cfg: Config, *, host: str | None = None, port: int | Non
     cfg = msgspec.structs.replace(cfg, proxy=proxy_cfg)
     out = Path(cfg.run.output_dir)
     await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
-    engine = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
+    engine = await asyncio.to_thread(build_engine, cfg.model, engine_config(cfg))
     log = await asyncio.to_thread(RecordLog, out / "records.log", fsync=cfg.proxy.record_fsync)
     try:
         with StopSignal() as stop:

@@ -18,14 +18,14 @@ pytestmark = pytest.mark.anyio
 
 
 class _FakeKV:
-    """Stands in for DynamicCache in the bookkeeping test: it only has to crop and copy."""
+    """Stands in for batched_attention.CallKV in the bookkeeping test: it only has to copy a prefix."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def crop(self, minus_dropped: int) -> None:  # transformers' convention: -(tokens to drop)
-        assert minus_dropped <= 0
-        self.n += minus_dropped
+    def copy_prefix(self, n: int) -> _FakeKV:
+        assert 0 <= n <= self.n
+        return _FakeKV(n)
 
 
 @settings(max_examples=200, deadline=None)

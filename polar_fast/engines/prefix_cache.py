@@ -3,14 +3,13 @@
 An agent's next call repeats its previous prompt and reply, and every session of a harness opens
 with the same system prompt, so on a CPU most of a call's prefill is work already done. The
 embedded engine keeps the KV cache left by each of its last few generations, keyed by the tokens
-it holds, and starts a new call from the longest common prefix (a copy, cropped), prefilling only
-the rest. Caches hold the weights' keys and values: `clear` on every weight update.
+it holds, and starts a new call from the longest common prefix (a copy of that many positions,
+`copy_prefix`), prefilling only the rest. Caches hold the weights' keys and values: `clear` on every weight update.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -27,7 +26,7 @@ class PrefixCache:
     def __init__(self, *, max_entries: int = 8, max_tokens: int = 32_768) -> None:
         self.max_entries = max_entries
         self.max_tokens = max_tokens
-        self._entries: list[tuple[tuple[int, ...], object]] = []  # (tokens the cache holds, DynamicCache)
+        self._entries: list[tuple[tuple[int, ...], Any]] = []  # (tokens the cache holds, batched_attention.CallKV)
         self.hits = 0
         self.reused_tokens = 0
 
@@ -43,8 +42,7 @@ class PrefixCache:
             return None, 0
         tokens, cache = self._entries.pop(best)
         self._entries.insert(0, (tokens, cache))
-        mine = copy.deepcopy(cache)
-        mine.crop(best_n - len(tokens))  # transformers' crop takes minus the tokens to drop
+        mine = cache.copy_prefix(best_n)
         self.hits += 1
         self.reused_tokens += best_n
         return mine, best_n
@@ -52,8 +50,7 @@ class PrefixCache:
     def put(self, tokens: Sequence[int], cache) -> None:
         """Keep `cache` (which now belongs to this store) as holding the KV of `tokens`."""
         key = tuple(tokens)
-        # recurrent (linear-attention) state cannot be rolled back to a shorter prefix
-        if not key or len(key) > self.max_tokens or not getattr(cache, "is_croppable", True):
+        if not key or len(key) > self.max_tokens:
             return
         # an entry that is a prefix of the new one is redundant: the new one serves its callers too
         self._entries = [(t, c) for t, c in self._entries if common_prefix(t, key) < len(t)]

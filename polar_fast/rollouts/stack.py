@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
-from polar_fast.config import Config
+from polar_fast.config import Config, engine_config
 from polar_fast.engines import Engine
 from polar_fast.proxy import Proxy
 from polar_fast.records import RecordLog
@@ -102,7 +102,7 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
     bundle = await asyncio.to_thread(harness.install, bundle_root(cfg.harness.bundle_dir))
     if engine is None:
         emit("info", {"message": f"loading the model for the {cfg.engine.kind} engine"})
-        engine = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
+        engine = await asyncio.to_thread(build_engine, cfg.model, engine_config(cfg))
     try:
         run_id = await asyncio.to_thread(run_id_for, run_dir)  # resolve() reads the file system
         # importing a backend reads package metadata (aiodocker): do it off the loop

@@ -1,0 +1,23 @@
+"""bench/engine_bench.py runs as a test (embedded rows only, two short waves): it must finish,
+sample tokens at each concurrency and print its RESULT line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_engine_bench_quick_prints_result():
+    bench = Path(__file__).parents[1] / "bench" / "engine_bench.py"
+    done = subprocess.run([sys.executable, str(bench), "--quick", "--concurrency", "1,2"],
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.search(r"^\| embedded \| 2 \| [\d.]+ \|", done.stdout, re.M), done.stdout
+    assert lines[-1].startswith("RESULT embedded_c1=") and "embedded_c2=" in lines[-1]
+    assert "batch_speedup_c2=" in lines[-1]
