@@ -5,7 +5,9 @@
 
 A finished group arrives as one GroupRecord (rollouts/groups.py: its task, rollouts and their
 calls), built by the pools where its last rollout ended; the loop logs its rollouts, queues it,
-and hands the step's groups to the learner as they are. Rollouts keep running while the learner trains (async RL): the pools never wait for a step, only
+and hands the step's groups to the learner as they are.
+
+Rollouts keep running while the learner trains (async RL): the pools never wait for a step, only
 for room in the ready-groups queue. A group whose oldest call is more than `max_staleness`
 policy versions behind the learner is withheld from training and counted; its calls stay in the
 record log. Everything captured goes to `<output_dir>/records.log` as it happens, so a crash
