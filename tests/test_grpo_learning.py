@@ -18,6 +18,7 @@ from polar_fast.grpo import Learner
 from polar_fast.learner.weight_sync import EngineSync
 from polar_fast.model import load_model, load_tokenizer
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
+from polar_fast.testing import groups_of
 
 TARGET = {3, 4, 5, 6}
 VOCAB = 16
@@ -77,7 +78,7 @@ async def test_mean_reward_rises(tiny_model_dir):
                 calls += rc
                 rollouts.append(RolloutRecord(rollout_id=rid, group_id=f"s{step}g{g}", task_id=str(g),
                                               harness="test", outcome=Outcome.OK, reward=reward(rc)))
-        metrics = await anyio.to_thread.run_sync(learner.step, calls, rollouts)
+        metrics = await anyio.to_thread.run_sync(learner.step, groups_of(calls, rollouts))
         means.append(metrics.reward_mean)
         assert all(c.policy_version == step for c in calls)  # sampled by the weights of this step
         await learner.sync_weights(sync)
