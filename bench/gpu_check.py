@@ -39,6 +39,7 @@ import learner_bench  # noqa: E402
 
 from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
+from polar_fast.testing import groups_of  # noqa: E402
 
 FLEX_LOSS_TOL = 1e-4  # fp32: the kernels differ only in summation order
 FLEX_GRAD_TOL = 1e-3  # relative grad norm
@@ -67,11 +68,11 @@ def _own_logprobs(model, calls):
 
 def _step(model, calls, rollouts, device: str, **learner_options) -> tuple[float, float, float, float]:
     """Loss, grad norm, mean importance ratio and seconds of one GRPO step from a fresh copy of `model`."""
-    merge, _ = learner_bench.merge_module()
     cfg = LearnerConfig(lr=1e-4, device=device, check_packed=False, **learner_options)
-    learner = Learner(cfg, copy.deepcopy(model), layout="tree", max_tokens=8192, merge_impl=merge)
+    learner = Learner(cfg, copy.deepcopy(model), layout="tree", max_tokens=8192,
+                      merge_impl=learner_bench.merge_impl())
     started = time.perf_counter()
-    metrics = learner.step(calls, rollouts)
+    metrics = learner.step(groups_of(calls, rollouts))
     learner_bench._sync(device)
     return metrics.loss, metrics.grad_norm, metrics.ratio_mean, time.perf_counter() - started
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small traces (the CPU smoke run)")
     args = p.parse_args(argv)
     print(f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
-          + f", torch {torch.__version__}, merge {learner_bench.merge_module()[1]}")
+          + f", torch {torch.__version__}, merge {learner_bench.merge_impl()}")
     errors: list[str] = []
 
     print("\n== 1. learner bench")

@@ -36,10 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from polar_fast import merge  # noqa: E402
 from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
 from polar_fast.learner import packed_recurrence  # noqa: E402
 from polar_fast.records import CallRecord, Outcome, RolloutRecord  # noqa: E402
+from polar_fast.testing import groups_of  # noqa: E402
 
 LAYOUTS = ("percall", "paths", "tree")
 
@@ -92,16 +94,14 @@ def build_model(kind: str, vocab: int, hidden: int = 128, layers: int = 4):
     return LlamaForCausalLM(cfg)
 
 
-def merge_module():
+def merge_impl() -> str:
+    """The merge the learner goes through polar_fast.merge with: "rust", or its Python twin
+    where the extension does not run here (a device machine it was not built for)."""
     try:
-        from polar_fast import merge
-
         merge.merge([], layout="tree")  # raises if the Rust extension is missing
-        return merge, "rust"
+        return "rust"
     except Exception:
-        from polar_fast.merge import reference as merge_reference
-
-        return merge_reference, "reference"
+        return "reference"
 
 
 def run(args: argparse.Namespace, kind: str) -> dict[str, dict]:
@@ -109,18 +109,18 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, dict]:
     vocab = model.config.vocab_size
     calls, rollouts = harness_traces(groups=args.groups, rollouts=args.rollouts, calls=args.calls,
                                      prompt=args.prompt, completion=args.completion, tool=args.tool, vocab=vocab)
-    impl, impl_name = merge_module()
+    impl = merge_impl()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     cfg = LearnerConfig(lr=1e-6, device=args.device, dtype=dtype, attention=args.attention,
                         logprob_chunk_tokens=1024)
-    print(f"model={kind} device={args.device} merge={impl_name} calls={len(calls)} "
+    print(f"model={kind} device={args.device} merge={impl} calls={len(calls)} "
           f"rollouts={len(rollouts)} call_tokens={sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)}")
     learners, batches, rows = {}, {}, {}
     for layout in LAYOUTS:
         learners[layout] = Learner(cfg, copy.deepcopy(model), layout=layout, max_tokens=args.max_tokens,
                                    merge_impl=impl)
         t0 = time.perf_counter()
-        batches[layout] = batch = learners[layout].prepare(calls, rollouts)
+        batches[layout] = batch = learners[layout].prepare(groups_of(calls, rollouts))
         rows[layout] = {"tokens": batch.n_tokens, "micro_batches": len(batch.micro_batches),
                         "terms": batch.n_terms, "prepare_s": time.perf_counter() - t0,
                         "scan_calls": _scan_calls(batch) if learners[layout].policy.recurrent else 0}

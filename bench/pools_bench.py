@@ -78,7 +78,7 @@ class SimAgent:
     def spec(self, task, rollout_id: str) -> SandboxSpec:
         return SandboxSpec(name=rollout_id)
 
-    async def run(self, box, task, *, rollout_id, group_id, timeout_s) -> AgentResult:
+    async def run(self, box, task, *, rollout_id, group_id, timeout_s, calls) -> AgentResult:
         await anyio.sleep(self.durations("agent"))
         return AgentResult(exit_code=0)
 
@@ -105,7 +105,7 @@ async def run_pools(slots: int, window_s: float, durations: Durations, tasks) ->
     rewards: list[float | None] = []
 
     async def on_group(group):
-        rewards.extend(r.reward for r in group.rollouts if r.outcome is Outcome.OK)
+        rewards.extend(r.reward for r in group.records if r.outcome is Outcome.OK)
 
     pools = Pools(cfg, SimFactory(durations), SimAgent(durations), agent_timeout_s=3600 * durations.scale,
                   prepare=no_prepare, collect_diff=no_diff, score=score)

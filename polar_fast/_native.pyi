@@ -1,14 +1,15 @@
 """Type stub of the Rust extension (rust/merge/src/lib.rs). Call it through polar_fast.merge and
 polar_fast.capture.tokenizer."""
 
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from polar_fast.config import Layout
 from polar_fast.errors import MergeError as MergeError
 
-def merge(calls: bytes | Sequence[Any], *, layout: Literal["tree", "paths"] = "tree") -> dict[str, Any]:
+def merge(calls: bytes | Sequence[Any], *, layout: Layout = "tree") -> dict[str, Any]:
     """Insert a group's calls into one token trie and flatten it.
 
     Args:
@@ -33,7 +34,7 @@ def pack_plan(
     loss_mask: npt.NDArray[np.uint8],
     extra_index: npt.NDArray[np.int32],
     *,
-    layout: Literal["tree", "paths"],
+    layout: Layout,
     max_tokens: int,
 ) -> list[dict[str, npt.NDArray[Any]]]:
     """First-fit-decreasing micro-batch plans over merged arrays.

@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _eval(cfg, args)
         if args.command == "sft":
+            from polar_fast.grpo import Learner
             from polar_fast.learner.sft import run_sft
 
-            report = run_sft(cfg, args.data, out_dir=args.out or Path(cfg.run.output_dir) / "sft",
+            report = run_sft(cfg, args.data, Learner.from_config, out_dir=args.out or Path(cfg.run.output_dir) / "sft",
                              epochs=args.epochs, lr=args.lr,
                              emit=lambda kind, data: print(data["message"], file=sys.stderr, flush=True))
             print(f"sft: {report.rows} rows, {report.trained_tokens} trained tokens, {report.steps} steps in "
@@ -136,7 +137,9 @@ def _train(cfg: Config, *, resume: bool, quiet: bool) -> int:
     rank = distributed.init(cfg)  # under torchrun; 0 otherwise
     try:
         if rank > 0:  # the learner only, driven by rank 0
-            distributed.follow(cfg)
+            from polar_fast.grpo import Learner
+
+            distributed.follow(cfg, Learner.from_config)
             return 0
         from polar_fast.report.progress import Progress
         from polar_fast.train import train
@@ -173,7 +176,7 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
 
 def _serve(cfg: Config, host: str | None, port: int | None, *, rollouts: bool) -> int:
     if rollouts:
-        from polar_fast.rollouts.service import serve_rollouts
+        from polar_fast.serve import serve_rollouts
 
         uvloop.run(serve_rollouts(cfg, host=host, port=port))
         return 0

@@ -11,11 +11,18 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from polar_fast.errors import ConfigError
+
+
+# The merge's output layouts (merge/arrays.py), named here once: the config fields below, the merge
+# face, its Python reference and the learner all use these; tests/test_merge_stub_and_bench.py
+# holds the Rust side (rust/merge/src/lib.rs, _native.pyi) to them.
+Layout = Literal["tree", "paths"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -136,7 +143,7 @@ class PoolsConfig(_Section):
 class MergeConfig(_Section):
     """Trie merge of a group's calls into training sequences."""
 
-    layout: Literal["tree", "paths"] = "tree"
+    layout: Layout = "tree"
     max_tokens: int = 8192  # per packed micro-batch, in tokens
 
 
@@ -229,7 +236,7 @@ class RolloutServiceConfig(_Section):
     api_key: str = ""  # required (Bearer / x-api-key) when host is not loopback
     max_pending_groups: int = 64  # submitted groups not yet finished; more get 429
     keep_groups: int = 256  # finished groups whose batches stay fetchable; oldest dropped first
-    layout: Literal["tree", "paths"] = "tree"  # merge layout of the batches
+    layout: Layout = "tree"  # merge layout of the batches
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

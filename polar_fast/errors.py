@@ -1,4 +1,13 @@
-"""The few exception types polar_fast raises on purpose. Each carries a message meant for a user."""
+"""The base of every exception polar_fast raises on purpose, and the errors more than one stage
+raises. Each carries a message meant for a user.
+
+Every polar_fast exception derives from `PolarError`, so `except PolarError` catches all of them
+(the CLI prints the message and exits 2). An error that only one stage raises lives beside the
+code that raises it (EngineError in engines/, SandboxError in rollouts/sandboxes/, DialectError in
+capture/dialects/, ...). Where callers catch a builtin base, an error keeps it as a second base:
+`HttpError(PolarError, OSError)` is one of the pools' infra errors, `ConfigError` and `TaskError`
+are ValueErrors. tests/test_layout.py checks that no exception class escapes this rule.
+"""
 
 from __future__ import annotations
 

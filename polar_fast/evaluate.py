@@ -30,7 +30,9 @@ import msgspec
 
 from polar_fast.config import Config
 from polar_fast.errors import PolarError
+from polar_fast.pools import Pools
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
+from polar_fast.rollouts.groups import GroupRecord, GroupSpec
 from polar_fast.rollouts.tasks import Task, load_tasks
 
 
@@ -113,23 +115,20 @@ def score_harness(harness: str, rollouts: Sequence[RolloutRecord], ks: Sequence[
 async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *,
                          on_group: Callable[[list[RolloutRecord]], None] | None = None) -> list[RolloutRecord]:
     """Run every task `samples` times on an open rollout stack (rollouts/stack.py); returns the
-    rollout records, each written to the record log with purpose "eval". Their calls are taken
-    from the agent and dropped: evaluation never feeds the learner."""
+    rollout records, each written to the record log with purpose "eval". The groups' calls are
+    dropped here (they are in the record log): evaluation never feeds the learner."""
     out: list[RolloutRecord] = []
 
-    async def done(group) -> None:
-        rollouts.agent.take_calls([r.rollout_id for r in group.rollouts], group.group_id)
-        records = [msgspec.structs.replace(r, purpose="eval") for r in group.rollouts]
+    async def done(group: GroupRecord) -> None:
+        records = [msgspec.structs.replace(r, purpose="eval") for r in group.records]
         await rollouts.proxy.record(*records)
         out.extend(records)
         if on_group:
             on_group(records)
 
-    from polar_fast.pools import GroupSpec
-
     stamp = f"eval{int(time.time() * 1000) % 10**8}"
     specs = [GroupSpec(task=t, group_id=f"{stamp}-{t.instance_id}", group_size=samples) for t in tasks]
-    await rollouts.pools(group_size=samples).run(specs, done)
+    await Pools.for_rollouts(rollouts, group_size=samples).run(specs, done)
     return out
 
 

@@ -1,19 +1,22 @@
 """The three worker pools: boot -> agent -> eval, joined by bounded queues.
 
     pools = Pools(cfg.pools, factory, agent, agent_timeout_s=cfg.harness.timeout_s)
-    await pools.run(tasks, on_group)   # on_group(RolloutGroup) is awaited once per finished group
+    # or, on an open rollout stack (rollouts/stack.py): pools = Pools.for_rollouts(rollouts)
+    await pools.run(tasks, on_group)   # on_group(GroupRecord) is awaited once per finished group
 
 - boot: `boot_workers` create + start + prepare a sandbox (the task repo at base_commit, history
   scrubbed). A box token is held from boot until the agent is done with the box; there are
   `agent_workers + prewarm` tokens, so `prewarm` sandboxes are booted ahead of demand and no more.
 - agent: `agent_workers` run the agent runner (a harness, or a scripted command in tests) with a
-  hard timeout that kills its process tree, collect the diff, remove the box.
+  hard timeout that kills its process tree, collect the diff, remove the box. The runner hands
+  back the calls it captured, also when the hard timeout cut it off.
 - eval: `eval_workers` score the diff in a fresh sandbox from the same image (rollouts/reward.py), so long
   test runs never hold an agent slot.
 Each task yields one group of `group_size` rollouts (a `GroupSpec` item instead names its own
 group id and size; the task source may be an async iterable, e.g. a memory stream that a
-service feeds); `on_group` receives a group when all its
-rollouts have a final record. A slow `on_group` fills the queues behind it and finally stops the
+service feeds); when all its rollouts have a final record, the grouper builds the group's one
+`GroupRecord` (rollouts/groups.py: the task, each rollout's record, calls, diff and test results)
+and awaits `on_group` with it. A slow `on_group` fills the queues behind it and finally stops the
 producer: backpressure all the way to the task list.
 
 Stragglers: groups finish in any order, so a rollout that hangs up to its timeout delays only
@@ -25,12 +28,13 @@ one) is; statistics() counts them and gives the longest time a group has waited 
 whose stragglers have waited that long goes to `on_group` without them: it then holds only its
 finished members, and GRPO's advantage is taken over those, which biases learning toward short
 rollouts (the long ones are exactly those left out). The late rollouts still finish and are
-recorded, and go to `on_late` (never trained).
+recorded, and go to `on_late` as FinishedRollouts (never trained).
 
 Outcomes: ok (reward from the tests), agent_error and timeout (reward 0, no eval), infra_error
 (sandbox died or would not boot, evaluation sandbox failed): retried up to `infra_retries` times
-with a fresh sandbox and a new rollout id (`<id>.a<attempt>`, so calls captured during a failed
-attempt never join the group), then recorded with reward None, never as 0.
+with a fresh sandbox and a new rollout id (`<id>.a<attempt>`; the calls captured during a failed
+attempt never join the group, they stay in the record log), then recorded with reward None, never
+as 0.
 
 Structure: every worker lives in one anyio task group; streams are closed in order so workers
 exit when their input ends. The boot queue accepts retries without blocking (its new-job part is
@@ -43,19 +47,24 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import math
 import time
-from typing import Any, AsyncIterable, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterable, Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
 
 from polar_fast.config import PoolsConfig
-from polar_fast.records import Outcome, RolloutRecord
+from polar_fast.records import CallRecord, Outcome, RolloutRecord
 from polar_fast.rollouts.agent import AgentInfraError, AgentResult, AgentRunner
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
 from polar_fast.rollouts.reward import EvalResult, evaluate
 from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec
 from polar_fast.rollouts.tasks import Task, TaskError, prepare_repo, repo_diff
+
+if TYPE_CHECKING:
+    from polar_fast.rollouts.stack import Rollouts
 
 HISTOGRAM_BOUNDS_S = (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000)  # upper bucket edges, seconds
 INFRA_ERRORS = (SandboxError, TaskError, TimeoutError, OSError)
@@ -134,23 +143,6 @@ class _Stage:
 # ----------------------------------------------------------------------------------------- pools
 
 
-class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
-    group_id: str
-    task: Task
-    rollouts: list[RolloutRecord]  # in rollout order; infra_error ones have reward None
-    diffs: dict[str, str]  # rollout id -> the agent's diff (ok rollouts)
-    evals: dict[str, EvalResult]  # rollout id -> per-test results (ok rollouts)
-
-
-class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One group to run, with its id and size chosen by the caller (a plain Task gets
-    `<instance_id>-g<n>` and `pools.group_size`)."""
-
-    task: Task
-    group_id: str
-    group_size: int
-
-
 class _Job(msgspec.Struct, kw_only=True):
     task: Task
     group_id: str
@@ -167,9 +159,7 @@ class _Job(msgspec.Struct, kw_only=True):
 
 class _Final(msgspec.Struct, kw_only=True):
     job: _Job
-    record: RolloutRecord
-    diff: str = ""
-    eval: EvalResult | None = None
+    rollout: FinishedRollout
 
 
 class Pools:
@@ -187,7 +177,7 @@ class Pools:
         clock: Callable[[], float] = time.monotonic,
         max_groups_in_flight: int = 0,
         partial_group_after_s: float = 0.0,
-        on_late: Callable[[RolloutRecord], Awaitable[None]] | None = None,
+        on_late: Callable[[FinishedRollout], Awaitable[None]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.factory = factory
@@ -211,6 +201,17 @@ class Pools:
         self._partial: set[str] = set()  # groups handed on without their stragglers
         self._partial_groups = 0
 
+    @classmethod
+    def for_rollouts(cls, rollouts: Rollouts, *, group_size: int | None = None, **options: Any) -> Pools:
+        """Pools on an open rollout stack: its sandbox factory and harness agent, the run's pools
+        config and reward mode. group_size: per group (evaluation samples); options: the keywords
+        above (max_groups_in_flight, partial_group_after_s, on_late)."""
+        cfg = rollouts.cfg
+        pools_cfg = cfg.pools if group_size is None else msgspec.structs.replace(cfg.pools, group_size=group_size)
+        score = evaluate if cfg.tasks.reward == "binary" else functools.partial(evaluate, mode=cfg.tasks.reward)
+        return cls(pools_cfg, rollouts.factory, rollouts.agent, agent_timeout_s=cfg.harness.timeout_s, score=score,
+                   **options)
+
     def statistics(self) -> PoolsStatistics:
         return PoolsStatistics(
             boot=self._stages["boot"].statistics(), agent=self._stages["agent"].statistics(),
@@ -223,7 +224,7 @@ class Pools:
         )
 
     async def run(self, tasks: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec],
-                  on_group: Callable[[RolloutGroup], Awaitable[None]]) -> None:
+                  on_group: Callable[[GroupRecord], Awaitable[None]]) -> None:
         cfg = self.cfg
         self._started_at = self.clock()
         for stage in self._stages.values():
@@ -319,7 +320,7 @@ class Pools:
             if left == 0:
                 self._partial.discard(job.group_id)
             if self.on_late is not None:
-                await self.on_late(final.record)
+                await self.on_late(final.rollout)
             return
         group = pending.setdefault(job.group_id, {})
         group[job.index] = final
@@ -341,27 +342,28 @@ class Pools:
             await self._hand_on(group_id, [finals[i] for i in sorted(finals)], on_group)
 
     async def _hand_on(self, group_id: str, finals: list[_Final], on_group) -> None:
-        await on_group(RolloutGroup(
-            group_id=group_id, task=finals[0].job.task,
-            rollouts=[f.record for f in finals],
-            diffs={f.record.rollout_id: f.diff for f in finals if f.eval is not None},
-            evals={f.record.rollout_id: f.eval for f in finals if f.eval is not None},
-        ))
+        """The group's record, built here where its last rollout ended, goes to `on_group`."""
+        await on_group(GroupRecord(group_id=group_id, task=finals[0].job.task, rollouts=[f.rollout for f in finals]))
         self._groups_done += 1
         if self._group_slots is not None:
             self._group_slots.release()
 
-    def _record(self, job: _Job, outcome: Outcome, *, reward: float | None, n_calls: int = 0, error: str = "",
-                causes: dict[str, int] | None = None) -> RolloutRecord:
-        return RolloutRecord(
+    def _final(self, job: _Job, outcome: Outcome, *, reward: float | None, n_calls: int = 0, error: str = "",
+               causes: dict[str, int] | None = None, calls: list[CallRecord] | None = None, diff: str = "",
+               scored: EvalResult | None = None) -> _Final:
+        """The rollout's final record, with what it captured (calls) and what scored it (diff, eval)."""
+        record = RolloutRecord(
             rollout_id=job.rollout_id, group_id=job.group_id, task_id=job.task.instance_id,
             harness=self.agent.name, outcome=outcome, reward=reward, n_calls=n_calls,
             duration_s=self.clock() - job.started_at, attempt=job.attempt, error=error[-1000:],
             causes=causes or {},
         )
+        return _Final(job=job, rollout=FinishedRollout(record=record, calls=calls or [], diff=diff, eval=scored))
 
-    async def _infra(self, job: _Job, stage: str, error: BaseException | str, done_tx) -> None:
-        """Retry with a fresh sandbox, or record the infra error (reward None) when out of tries."""
+    async def _infra(self, job: _Job, stage: str, error: BaseException | str, done_tx,
+                     calls: list[CallRecord] | None = None) -> None:
+        """Retry with a fresh sandbox, or record the infra error (reward None) when out of tries.
+        A retried attempt's calls are dropped here (they are in the record log)."""
         self._stages[stage].failed += 1
         message = f"{stage}: {error if isinstance(error, str) else f'{type(error).__name__}: {error}'}"
         if job.attempt < self.cfg.infra_retries:
@@ -370,7 +372,7 @@ class Pools:
                                            group_size=job.group_size, attempt=job.attempt + 1,
                                            started_at=job.started_at))
         else:
-            await done_tx.send(_Final(job=job, record=self._record(job, Outcome.INFRA_ERROR, reward=None, error=message)))
+            await done_tx.send(self._final(job, Outcome.INFRA_ERROR, reward=None, error=message, calls=calls))
 
     # --------------------------------------------------------------------------------------- stages
 
@@ -397,29 +399,31 @@ class Pools:
     async def _agent_worker(self, ready_rx, eval_tx, done_tx) -> None:
         async with ready_rx, eval_tx, done_tx:
             async for job, box in ready_rx:
+                calls: list[CallRecord] = []  # the agent puts what it captured here, even when cut off
                 try:
                     with self._stages["agent"].busy():
-                        outcome, result, diff = await self._run_agent(job, box)
+                        outcome, result, diff = await self._run_agent(job, box, calls)
                 finally:
                     await self._remove(box)
                     self._box_tokens.release()
                 if isinstance(outcome, BaseException) or result.infra_error:
-                    await self._infra(job, "agent", outcome if isinstance(outcome, BaseException) else result.infra_error, done_tx)
+                    error = outcome if isinstance(outcome, BaseException) else result.infra_error
+                    await self._infra(job, "agent", error, done_tx, calls)
                 elif outcome is Outcome.OK:
-                    await eval_tx.send((job, result, diff))
+                    await eval_tx.send((job, result, diff, calls))
                 else:
                     error = "agent timed out" if outcome is Outcome.TIMEOUT else f"agent exited {result.exit_code}"
-                    record = self._record(job, outcome, reward=0.0, n_calls=result.n_calls, error=error,
-                                          causes=result.causes)
-                    await done_tx.send(_Final(job=job, record=record))
+                    await done_tx.send(self._final(job, outcome, reward=0.0, n_calls=result.n_calls, error=error,
+                                                   causes=result.causes, calls=calls))
 
-    async def _run_agent(self, job: _Job, box) -> tuple[Outcome | BaseException, AgentResult, str]:
+    async def _run_agent(self, job: _Job, box, calls: list[CallRecord]
+                         ) -> tuple[Outcome | BaseException, AgentResult, str]:
         timeout_s = self.agent_timeout_s
         result = AgentResult(exit_code=-1, timed_out=True)
         try:
             with anyio.move_on_after(timeout_s + KILL_GRACE_S):
                 result = await self.agent.run(box, job.task, rollout_id=job.rollout_id,
-                                              group_id=job.group_id, timeout_s=timeout_s)
+                                              group_id=job.group_id, timeout_s=timeout_s, calls=calls)
             if result.infra_error:  # e.g. the engine was down: not the agent's fault, retry it
                 return AgentInfraError(result.infra_error), result, ""
             if result.timed_out:
@@ -432,16 +436,16 @@ class Pools:
 
     async def _eval_worker(self, eval_rx, done_tx) -> None:
         async with eval_rx, done_tx:
-            async for job, agent_result, diff in eval_rx:
+            async for job, agent_result, diff, calls in eval_rx:
                 scored = await self._evaluate_with_retries(job, diff)
                 if isinstance(scored, EvalResult):
-                    record = self._record(job, Outcome.OK, reward=scored.reward, n_calls=agent_result.n_calls,
-                                          error=scored.error, causes=agent_result.causes)
-                    await done_tx.send(_Final(job=job, record=record, diff=diff, eval=scored))
+                    await done_tx.send(self._final(job, Outcome.OK, reward=scored.reward, n_calls=agent_result.n_calls,
+                                                   error=scored.error, causes=agent_result.causes, calls=calls,
+                                                   diff=diff, scored=scored))
                 else:  # the diff is kept, so only the evaluation is retried, never the agent
                     error = f"eval: {type(scored).__name__}: {scored}"
-                    record = self._record(job, Outcome.INFRA_ERROR, reward=None, n_calls=agent_result.n_calls, error=error)
-                    await done_tx.send(_Final(job=job, record=record, diff=diff))
+                    await done_tx.send(self._final(job, Outcome.INFRA_ERROR, reward=None, n_calls=agent_result.n_calls,
+                                                   error=error, calls=calls, diff=diff))
 
     async def _evaluate_with_retries(self, job: _Job, diff: str) -> EvalResult | BaseException:
         for attempt in range(self.cfg.infra_retries + 1):

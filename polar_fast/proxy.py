@@ -15,11 +15,12 @@ sandbox) get admin routes behind a key generated for the run (rollouts/stack.py)
 token is never an admin key, so a box's token cannot read or end another session.
 
 A request's session comes from the path token, else from its API key (`Authorization: Bearer`
-or `x-api-key`); unknown → 401 in the caller's dialect. Handlers stay thin: the session's
-incremental parse (capture/dialects/incremental.py: only what the request adds is decoded) →
-History.plan + finish (exact-history ids; only a new suffix is rendered and tokenised, long
-tokenisations in worker threads) → engine.generate → Renderer.parse → record (awaited on disk)
-→ reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
+or `x-api-key`); unknown → 401 in the caller's dialect. One model call reads top to bottom in
+`_complete`: route → session (capture/session.py) → dialect parse (the session's incremental
+parse, capture/dialects/incremental.py: only what the request adds is decoded) → prompt ids
+(History.plan + finish: exact-history ids, only a new suffix rendered and tokenised, long
+tokenisations in worker threads) → engine (`_engine_call`: timeout and failure accounting) →
+Renderer.parse → record (awaited on disk) → the dialect's reply or SSE in one send. Every failure is answered in the caller's dialect: bad input 400,
 unknown session 401, unknown route 404, body over `proxy.max_body_bytes` 413, engine down 503,
 engine timeout 504, other engine failure 502, a call whose record cannot be written 503 (it is
 then not part of the session's history either); a 500 means a bug here. Handler cancellation
@@ -30,10 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
 import ipaddress
 import logging
-import math
 import os
 import random
 import secrets
@@ -43,82 +42,34 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from polar_fast.capture.dialects import DialectError, ReplyMeta, anthropic, responses
-from polar_fast.capture.dialects import chat_completions as chat
-from polar_fast.capture.dialects.incremental import IncrementalParser
+from polar_fast.capture.dialects import DIALECTS, Dialect, DialectError, ReplyMeta, anthropic
 from polar_fast.capture.history import History, Prompt
 from polar_fast.capture.recorder import Recorder
 from polar_fast.capture.render import Renderer, template_message, template_tool
-from polar_fast.conversation import Completion, Conversation, Message, ToolCall
-from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Sampling
-from polar_fast.errors import ConfigError
+from polar_fast.capture.sampling import sampling_for
+from polar_fast.capture.session import Session
+from polar_fast.conversation import Completion, Conversation, ToolCall
+from polar_fast.engines import Engine, EngineError, EngineFailed, EngineTimeout, Generation, Sampling
+from polar_fast.errors import ConfigError, PolarError
 from polar_fast.records import (
     CallRecord,
-    ExchangeRecord,
     HarnessSampling,
     Record,
     RecordLog,
     Timings,
-    decode_frame,
     encode_frame,
     packed_ids,
-    whole_calls,
 )
 
 if TYPE_CHECKING:
     from polar_fast.config import Config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Session:
-    token: str
-    session_id: str
-    rollout_id: str
-    group_id: str
-    history: History
-    # Its call records as the log frames written for them (prompt deltas, see CallRecord): each is
-    # encoded once, and a first call's whole prompt (~1e4 ids) sits in bytes the garbage
-    # collector never walks rather than in an int list it would.
-    call_frames: list[bytes] = field(default_factory=list)
-    # (call index, request messages) of its last exchange on disk: the next one stores a delta
-    last_exchange: tuple[int, list[Message]] = (-1, [])
-    n_calls: int = 0
-    failing_calls: int = 0  # engine or record failures since the last recorded call: the harness gave up on them
-    # why calls went wrong, for the zero-reward metrics (records.CALL_CAUSES); counted as they happen
-    causes: dict[str, int] = field(default_factory=dict)
-    # texts the harness puts in its next request when it rejects a reply's format (Harness.format_error_markers)
-    format_error_markers: tuple[str, ...] = ()
-    # per dialect: decodes only what a request adds to the conversation it resends
-    parsers: dict[str, IncrementalParser] = field(default_factory=dict)
-
-    def parse(self, dialect: ModuleType, body: bytes) -> Conversation:
-        parser = self.parsers.get(dialect.NAME)
-        if parser is None:
-            parser = self.parsers[dialect.NAME] = IncrementalParser(dialect)
-        return parser.parse(body)
-
-    @property
-    def engine_failures(self) -> int:  # calls the engine could not answer: an infra failure, not the agent's
-        return self.causes.get("engine_failure", 0)
-
-    @property
-    def record_failures(self) -> int:  # calls answered but not recorded (disk full): also infra
-        return self.causes.get("record_failure", 0)
-
-    def count(self, cause: str) -> None:
-        self.causes[cause] = self.causes.get(cause, 0) + 1
-
-    def records(self) -> list[CallRecord]:
-        """Its call records, each with its whole prompt."""
-        return whole_calls(decode_frame(f) for f in self.call_frames)[0]  # type: ignore[misc]
 
 
 class _NewSession(msgspec.Struct):
@@ -158,16 +109,17 @@ STATE = web.AppKey("state", ProxyState)
 # ----------------------------------------------------------------------------- errors
 
 
-def _dialect_of(request: web.Request) -> ModuleType:
+def _dialect_of(request: web.Request) -> Dialect:
+    """The dialect an error is answered in: the route's, else Anthropic's when the client says so."""
     path = request.path
     if "/messages" in path:
-        return anthropic
+        return DIALECTS["anthropic"]
     if "/responses" in path:
-        return responses
-    return anthropic if "anthropic-version" in request.headers else chat
+        return DIALECTS["responses"]
+    return DIALECTS["anthropic" if "anthropic-version" in request.headers else "chat"]
 
 
-class RecordFailed(Exception):
+class RecordFailed(PolarError):
     """A call's record could not be written (disk full, log gone): the call fails with 503."""
 
 
@@ -278,74 +230,147 @@ async def close_session(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------------------------- model calls
+#
+# One model call, in the order it happens (`_complete`): route -> session -> dialect parse ->
+# prompt ids -> engine -> completion -> record (on disk) -> dialect reply. The two ways to get a
+# completion (`_answer_from_tokens`, `_answer_from_engine_chat`) share `_engine_call`, the
+# timeout and failure accounting every engine call goes through.
 
 
-def call_seed(run_seed: int, rollout_id: str, call_index: int) -> int:
-    """The seed of one call of a seeded run: the rollouts of a group (same prompt) must not sample
-    alike, and a rerun of the run must sample the same, so it derives from stable ids."""
-    digest = hashlib.blake2b(f"{run_seed}:{rollout_id}:{call_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # 63 bits: every engine takes it
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, DIALECTS["chat"])
 
 
-def _sampling(state: ProxyState, conv: Conversation, prompt_len: int, session: Session | None = None) -> Sampling:
-    s = state.cfg.sampling
-    temperature, top_p = s.temperature, s.top_p  # the run's sampling (config.SamplingConfig)
-    if s.from_harness:
-        temperature = s.temperature if conv.temperature is None else conv.temperature
-        top_p = s.top_p if conv.top_p is None else conv.top_p
-    if not (math.isfinite(temperature) and 0 <= temperature <= 100):
-        raise DialectError(f"temperature must be a number in [0, 100], got {temperature}")
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise DialectError(f"top_p must be in (0, 1], got {top_p}")
-    if conv.max_tokens is not None and conv.max_tokens < 1:
-        raise DialectError(f"max_tokens must be at least 1, got {conv.max_tokens}")
-    context = state.cfg.model.max_context_tokens
-    if prompt_len >= context:
-        # Anthropic's wording first (Claude Code compacts and retries on it), then OpenAI's (Pi
-        # matches "maximum context length is N tokens"; Qwen Code also reads the error code).
-        raise DialectError(
-            f"prompt is too long: {prompt_len} tokens > {context} maximum (this model's maximum "
-            f"context length is {context} tokens)",
-            kind="context_length",
-        )
-    max_tokens = min(conv.max_tokens or s.max_tokens, s.max_tokens, context - prompt_len)
-    seed = conv.seed if conv.seed is not None else s.seed
-    if conv.seed is None and s.seed is not None and session is not None:
-        seed = call_seed(s.seed, session.rollout_id, session.n_calls)
-    return Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+async def responses_create(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, DIALECTS["responses"])
 
 
-# Reply and tool-call ids only need to be unique, not secret: a seeded PRNG instead of
-# os.urandom per id (a syscall each, slow on some VMs). Session tokens stay `secrets`.
-_ids = random.Random(secrets.randbits(128))
-_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+async def messages_create(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, DIALECTS["anthropic"])
 
 
-def _count_format_errors(session: Session, conv: Conversation) -> None:
-    """A harness that rejects a reply says so in the messages it adds after that reply."""
-    if not session.format_error_markers or not session.n_calls:
-        return
-    # what this request adds after the previous one (some harnesses drop the rejected reply)
-    new = conv.messages[len(session.last_exchange[1]):]
-    if any(marker in (m.content or "") for m in new if m.role != "assistant" for marker in session.format_error_markers):
-        session.count("format_error")
+@dataclass(eq=False)
+class _Answer:
+    """What the engine made of one request: the prompt it saw, what it sampled, and the reply."""
+
+    prompt_ids: Sequence[int]
+    gen: Generation
+    version: int  # policy version that sampled it
+    completion: Completion
+    temperature: float
+    history: str  # how the prompt was built: "exact", "render:<cause>" or "render:engine"
+    prompt: Prompt | None  # exact history's prompt (None when the engine rendered)
+    engine_at: float  # perf_counter when the engine call began (engine render: when it ended)
+    engine_s: float  # the engine call's seconds (engine render: counted as rendering)
 
 
-def _count_reply_causes(session: Session, conv: Conversation, content: str, calls, finish_reason: str) -> None:
-    if finish_reason == "length":
-        session.count("truncated")
-    if conv.tools and not calls:
-        # the parsers hand malformed calls back whole as content
-        session.count("tool_parse_failure" if "<tool_call>" in content else "no_tool_call")
+async def _complete(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    state = request.app[STATE]
+    started_at, t0 = time.time(), time.perf_counter()
+    state.calls_in_flight += 1
+    try:
+        session = _session(request)
+        conv = session.parse(dialect, await _body(request))
+        session.count_format_errors(conv)
+        if state.cfg.engine.render == "engine":
+            answer = await _answer_from_engine_chat(state, session, conv, dialect)
+        else:
+            answer = await _answer_from_tokens(state, session, conv, dialect)
+        timings = Timings(started_at=started_at, render_s=answer.engine_at - t0, engine_s=answer.engine_s,
+                          total_s=time.perf_counter() - t0)
+        record = _call_record(session, conv, answer, dialect, timings)
+        session.n_calls += 1  # before the await: concurrent calls of a session (sub-agents) get distinct indices
+        await _record(state, session, conv, answer, record)
+        return _reply(state, conv, answer.completion, dialect, started_at)
+    finally:
+        state.calls_in_flight -= 1
 
 
-def _reply_id() -> str:
-    return f"{_ids.getrandbits(96):024x}"
+# ------------------------------------------------------------------ prompt ids, engine, completion
 
 
-def _call_id(dialect: ModuleType) -> str:
-    prefix = {"anthropic": "toolu_", "responses": "call_"}.get(dialect.NAME, "call_")
-    return prefix + _reply_id()
+async def _answer_from_tokens(state: ProxyState, session: Session, conv: Conversation, dialect: Dialect) -> _Answer:
+    """Token-in / token-out: the prompt's ids (exact history), the engine samples, the renderer
+    parses the sampled ids back into text, reasoning and tool calls."""
+    prompt = await _prompt(state, session.history, conv)
+    try:
+        sampling = sampling_for(state.cfg, conv, len(prompt.ids), session)
+    except DialectError as e:
+        if e.kind == "context_length":
+            session.count("context_length")
+        raise
+    t1 = time.perf_counter()
+    version = state.engine.policy_version
+    gen = await _engine_call(state, session, _generate(state.engine, prompt.ids, sampling, session.session_id))
+    t2 = time.perf_counter()
+    content, reasoning, calls = state.renderer.parse(gen.token_ids, conv.tools, lambda: _call_id(dialect))
+    session.count_reply_causes(conv, content, calls, gen.finish_reason)
+    completion = Completion(
+        content=content, reasoning=reasoning, tool_calls=calls,
+        finish_reason="tool_calls" if calls else gen.finish_reason,
+        prompt_tokens=len(prompt.ids), completion_tokens=len(gen.token_ids),
+    )
+    return _Answer(prompt.ids, gen, gen.policy_version if gen.policy_version is not None else version, completion,
+                   sampling.temperature, prompt.history, prompt, engine_at=t1, engine_s=t2 - t1)
+
+
+async def _answer_from_engine_chat(state: ProxyState, session: Session, conv: Conversation,
+                                   dialect: Dialect) -> _Answer:
+    """`render = "engine"`: vLLM renders and parses; we only translate and record."""
+    chat_fn = getattr(state.engine, "chat", None)
+    if chat_fn is None:
+        raise ConfigError('engine.render = "engine" needs the vllm engine')
+    sampling = sampling_for(state.cfg, conv, 0, session)
+    version = state.engine.policy_version
+    messages = [template_message(m, parse_arguments=False) for m in conv.messages]
+    tools = [template_tool(t) for t in conv.tools]
+    reply = await _engine_call(state, session, chat_fn(messages, tools, sampling, session_id=session.session_id))
+    m = reply.message
+    calls = tuple(
+        ToolCall(id=_call_id(dialect), name=str(c["function"]["name"]), arguments=str(c["function"]["arguments"]))
+        for c in m.get("tool_calls") or ()
+    )
+    completion = Completion(
+        content=m.get("content") or "",
+        reasoning=m.get("reasoning_content") or m.get("reasoning") or "",
+        tool_calls=calls,
+        finish_reason="tool_calls" if calls else reply.generation.finish_reason,
+        prompt_tokens=len(reply.prompt_ids),
+        completion_tokens=len(reply.generation.token_ids),
+    )
+    # vLLM's own template: no exact history here
+    return _Answer(reply.prompt_ids, reply.generation, version, completion, sampling.temperature, "render:engine",
+                   None, engine_at=time.perf_counter(), engine_s=0.0)
+
+
+T = TypeVar("T")
+
+
+async def _engine_call(state: ProxyState, session: Session, call: Awaitable[T]) -> T:
+    """Every engine call goes through here: at most `engine.timeout_s`, and any failure (a
+    timeout, the engine's error, or a bug in it) is counted on the session as an engine failure
+    (an infra failure, not the agent's) and raised as an EngineError (504 timeout, else 502/503)."""
+    try:
+        async with asyncio.timeout(state.cfg.engine.timeout_s):
+            return await call
+    except TimeoutError:
+        session.failed("engine_failure")
+        raise EngineTimeout(f"no generation within {state.cfg.engine.timeout_s} s") from None
+    except EngineError:
+        session.failed("engine_failure")
+        raise
+    except Exception as e:  # an engine bug is still an engine failure, not a proxy one
+        session.failed("engine_failure")
+        raise EngineFailed(f"{type(e).__name__}: {e}") from e
+
+
+async def _generate(engine: Engine, prompt_ids: Sequence[int], sampling: Sampling, session_id: str) -> Generation:
+    gen = await engine.generate(prompt_ids, sampling, session_id=session_id)
+    if gen.finish_reason == "abort":
+        raise EngineFailed("generation was aborted")
+    if len(gen.token_ids) != len(gen.logprobs):
+        raise EngineFailed(f"{len(gen.token_ids)} token ids but {len(gen.logprobs)} logprobs")
+    return gen
 
 
 async def _prompt(state: ProxyState, history: History, conv: Conversation) -> Prompt:
@@ -361,118 +386,73 @@ async def _prompt(state: ProxyState, history: History, conv: Conversation) -> Pr
     return history.finish(plan, conv.messages, conv.tools)
 
 
-async def _generate(state: ProxyState, session: Session, prompt_ids: Sequence[int], sampling: Sampling):
-    try:
-        return await _engine_generate(state, session, prompt_ids, sampling)
-    except EngineError:
-        _engine_failed(session)
-        raise
+# Reply and tool-call ids only need to be unique, not secret: a seeded PRNG instead of
+# os.urandom per id (a syscall each, slow on some VMs). Session tokens stay `secrets`.
+# Reply and tool-call ids only need to be unique, not secret: a seeded PRNG instead of
+# os.urandom per id (a syscall each, slow on some VMs). Session tokens stay `secrets`.
+_ids = random.Random(secrets.randbits(128))
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
-def _engine_failed(session: Session) -> None:
-    session.failing_calls += 1
-    session.count("engine_failure")
+def _reply_id() -> str:
+    return f"{_ids.getrandbits(96):024x}"
 
 
-async def _engine_generate(state: ProxyState, session: Session, prompt_ids: Sequence[int], sampling: Sampling):
-    version = state.engine.policy_version
-    try:
-        async with asyncio.timeout(state.cfg.engine.timeout_s):
-            gen = await state.engine.generate(prompt_ids, sampling, session_id=session.session_id)
-    except TimeoutError:
-        raise EngineTimeout(f"no generation within {state.cfg.engine.timeout_s} s") from None
-    except EngineError:
-        raise
-    except Exception as e:  # an engine bug is still an engine failure, not a proxy one
-        raise EngineFailed(f"{type(e).__name__}: {e}") from e
-    if gen.finish_reason == "abort":
-        raise EngineFailed("generation was aborted")
-    if len(gen.token_ids) != len(gen.logprobs):
-        raise EngineFailed(f"{len(gen.token_ids)} token ids but {len(gen.logprobs)} logprobs")
-    return gen, gen.policy_version if gen.policy_version is not None else version
+def _call_id(dialect: Dialect) -> str:
+    prefix = {"anthropic": "toolu_", "responses": "call_"}.get(dialect.NAME, "call_")
+    return prefix + _reply_id()
 
 
-async def _complete(request: web.Request, dialect: ModuleType) -> web.StreamResponse:
-    state = request.app[STATE]
-    state.calls_in_flight += 1
-    try:
-        return await _answer(request, dialect, state)
-    finally:
-        state.calls_in_flight -= 1
+# ------------------------------------------------------------------------------- record, reply
 
 
-async def _answer(request: web.Request, dialect: ModuleType, state: ProxyState) -> web.StreamResponse:
-    started_at, t0 = time.time(), time.perf_counter()
-    session = _session(request)
-    conv = session.parse(dialect, await _body(request))
-    _count_format_errors(session, conv)
-    if state.cfg.engine.render == "engine":
-        prompt_ids, gen, version, completion, history = await _complete_in_engine(state, session, conv, dialect)
-        temperature = _sampling(state, conv, 0).temperature
-        prompt, extends_call, n_extended = None, -1, 0  # vLLM's own template: no exact history here
-        t1 = t2 = time.perf_counter()
-    else:
-        prompt = await _prompt(state, session.history, conv)
-        try:
-            sampling = _sampling(state, conv, len(prompt.ids), session)
-        except DialectError as e:
-            if e.kind == "context_length":
-                session.count("context_length")
-            raise
-        temperature = sampling.temperature
-        t1 = time.perf_counter()
-        gen, version = await _generate(state, session, prompt.ids, sampling)
-        t2 = time.perf_counter()
-        content, reasoning, calls = state.renderer.parse(gen.token_ids, conv.tools, lambda: _call_id(dialect))
-        finish = "tool_calls" if calls else gen.finish_reason
-        _count_reply_causes(session, conv, content, calls, gen.finish_reason)
-        completion = Completion(
-            content=content,
-            reasoning=reasoning,
-            tool_calls=calls,
-            finish_reason=finish,
-            prompt_tokens=len(prompt.ids),
-            completion_tokens=len(gen.token_ids),
-        )
-        prompt_ids, history = prompt.ids, prompt.history
-        extends_call, n_extended = prompt.extends_call, prompt.n_extended
-    record = CallRecord(
+def _call_record(session: Session, conv: Conversation, answer: _Answer, dialect: Dialect,
+                 timings: Timings) -> CallRecord:
+    n_extended = answer.prompt.n_extended if answer.prompt is not None else 0
+    return CallRecord(
         session_id=session.session_id,
         rollout_id=session.rollout_id,
         group_id=session.group_id,
         call_index=session.n_calls,
-        prompt_ids=packed_ids(prompt_ids[n_extended:]),  # only the new ids (see CallRecord), encoded
-        completion_ids=gen.token_ids,
-        completion_logprobs=gen.logprobs,
-        policy_version=version,
-        finish_reason=completion.finish_reason,
+        prompt_ids=packed_ids(answer.prompt_ids[n_extended:]),  # only the new ids (see CallRecord), encoded
+        completion_ids=answer.gen.token_ids,
+        completion_logprobs=answer.gen.logprobs,
+        policy_version=answer.version,
+        finish_reason=answer.completion.finish_reason,
         dialect=dialect.NAME,
-        timings=Timings(started_at=started_at, render_s=t1 - t0, engine_s=t2 - t1, total_s=time.perf_counter() - t0),
-        history=history,
-        prefix_call=extends_call,
+        timings=timings,
+        history=answer.history,
+        prefix_call=answer.prompt.extends_call if answer.prompt is not None else -1,
         n_prefix=n_extended,
-        version_changes=gen.version_changes,
-        temperature=temperature,
+        version_changes=answer.gen.version_changes,
+        temperature=answer.temperature,
         harness_sampling=HarnessSampling(temperature=conv.temperature, top_p=conv.top_p, max_tokens=conv.max_tokens),
     )
-    session.n_calls += 1  # before the await: concurrent calls of a session (sub-agents) get distinct indices
-    reply_message = completion.as_message()
-    exchange = _exchange(state, session, record.call_index, conv, reply_message, dialect)
-    # Both in one write of the writer (the exchange feeds SFT export).
+
+
+async def _record(state: ProxyState, session: Session, conv: Conversation, answer: _Answer, record: CallRecord) -> None:
+    """The call's record and exchange on disk (one write of the writer; the exchange feeds SFT
+    export), then the session remembers the call: only a call on disk becomes a base that later
+    records store their prompts as deltas from, and that exact history extends."""
+    reply_message = answer.completion.as_message()
+    exchange = session.exchange(record.call_index, conv, reply_message, model=state.cfg.model.name,
+                                dialect=record.dialect)
     call_frame = encode_frame(record)
     try:
         await state.recorder.put(call_frame, exchange)
     except Exception as e:
         # the harness never sees this reply; its retry is a new call (this index stays unused)
-        session.failing_calls += 1
-        session.count("record_failure")
+        session.failed("record_failure")
         raise RecordFailed(f"the call could not be recorded ({type(e).__name__}: {e}); no reply goes out without its record, retry") from e
     session.failing_calls = 0  # the harness got past any failure before this call
-    # Only a call on disk becomes a base: later records store their prompts as deltas from it.
     session.call_frames.append(call_frame)
     session.last_exchange = (record.call_index, conv.messages)
-    if prompt is not None:
-        session.history.remember(prompt, gen.token_ids, reply_message, call_index=record.call_index)
+    if answer.prompt is not None:
+        session.history.remember(answer.prompt, answer.gen.token_ids, reply_message, call_index=record.call_index)
+
+
+def _reply(state: ProxyState, conv: Conversation, completion: Completion, dialect: Dialect,
+           started_at: float) -> web.Response:
     meta = ReplyMeta(id=_reply_id(), created=int(started_at), model=conv.model or state.cfg.model.name)
     if not conv.stream:
         return web.Response(body=dialect.reply(completion, meta), content_type="application/json")
@@ -482,67 +462,7 @@ async def _answer(request: web.Request, dialect: ModuleType, state: ProxyState) 
     return web.Response(body=body, headers=_SSE_HEADERS)
 
 
-def _exchange(
-    state: ProxyState, session: Session, call_index: int, conv: Conversation, reply: Message, dialect: ModuleType
-) -> ExchangeRecord:
-    """The call's exchange record, holding only the messages its request added to the session's
-    last recorded one (see ExchangeRecord)."""
-    prefix_call, previous = session.last_exchange
-    messages = conv.messages
-    n = 0
-    while n < len(messages) and n < len(previous) and (messages[n] is previous[n] or messages[n] == previous[n]):
-        n += 1
-    return ExchangeRecord(
-        session_id=session.session_id, rollout_id=session.rollout_id, group_id=session.group_id,
-        call_index=call_index, model=state.cfg.model.name, dialect=dialect.NAME,
-        messages=messages[n:] if n else messages, tools=conv.tools, reply=reply,
-        prefix_call=prefix_call if n else -1, n_prefix=n,
-    )
-
-
-async def _complete_in_engine(state: ProxyState, session: Session, conv: Conversation, dialect: ModuleType):
-    """`render = "engine"`: vLLM renders and parses; we only translate and record."""
-    chat_fn = getattr(state.engine, "chat", None)
-    if chat_fn is None:
-        raise ConfigError('engine.render = "engine" needs the vllm engine')
-    sampling = _sampling(state, conv, 0, session)
-    version = state.engine.policy_version
-    messages = [template_message(m, parse_arguments=False) for m in conv.messages]
-    try:
-        async with asyncio.timeout(state.cfg.engine.timeout_s):
-            reply = await chat_fn(messages, [template_tool(t) for t in conv.tools], sampling, session_id=session.session_id)
-    except TimeoutError:
-        _engine_failed(session)
-        raise EngineTimeout(f"no generation within {state.cfg.engine.timeout_s} s") from None
-    except EngineError:
-        _engine_failed(session)
-        raise
-    m = reply.message
-    calls = tuple(
-        ToolCall(id=_call_id(dialect), name=str(c["function"]["name"]), arguments=str(c["function"]["arguments"]))
-        for c in m.get("tool_calls") or ()
-    )
-    completion = Completion(
-        content=m.get("content") or "",
-        reasoning=m.get("reasoning_content") or m.get("reasoning") or "",
-        tool_calls=calls,
-        finish_reason="tool_calls" if calls else reply.generation.finish_reason,
-        prompt_tokens=len(reply.prompt_ids),
-        completion_tokens=len(reply.generation.token_ids),
-    )
-    return reply.prompt_ids, reply.generation, version, completion, "render:engine"
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, chat)
-
-
-async def responses_create(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, responses)
-
-
-async def messages_create(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, anthropic)
+# ----------------------------------------------------------------------------- other routes
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -8,6 +8,9 @@
 The engine's replies are texts tokenised by the real SmolLM2 tokenizer (each ends with its
 end-of-turn token, as a model that stopped would). `write_file_replies` scripts the usual
 two-call run: a tool call that writes a file, then a final answer.
+
+`groups_of(calls, rollouts)` turns made-up calls and rollout records (learner tests and benches)
+into the GroupRecords the pools would have handed on.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import msgspec
 from polar_fast.config import Config, parse_config
 from polar_fast.engines.scripted import ScriptedEngine
 from polar_fast.proxy import Proxy, open_proxy
-from polar_fast.records import CallRecord, RecordLog, read_log
+from polar_fast.records import CallRecord, RecordLog, RolloutRecord, read_log
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
+from polar_fast.rollouts.tasks import Task
 
 
 def write_file_replies(
@@ -40,6 +45,24 @@ def write_file_replies(
     command = f"printf '%s' {json.dumps(content)} > {path}"
     call = json.dumps({"name": tool, "arguments": {argument: command}})
     return [f"<tool_call>\n{call}\n</tool_call>", final]
+
+
+def stand_in_task(instance_id: str = "synthetic") -> Task:
+    """A task for groups made up without one (the learner never reads it)."""
+    return Task(instance_id=instance_id, repo="synthetic/synthetic", base_commit="0" * 40, problem_statement="",
+                test_patch="", FAIL_TO_PASS=["synthetic"])
+
+
+def groups_of(calls: list[CallRecord], rollouts: list[RolloutRecord]) -> list[GroupRecord]:
+    """One GroupRecord per group id (in the order the rollouts name them), each rollout with its
+    calls in the order given, as the pools hand a finished group on."""
+    by_rollout: dict[str, list[CallRecord]] = {}
+    for c in calls:
+        by_rollout.setdefault(c.rollout_id, []).append(c)
+    members: dict[str, list[FinishedRollout]] = {}
+    for r in rollouts:
+        members.setdefault(r.group_id, []).append(FinishedRollout(record=r, calls=by_rollout.get(r.rollout_id, [])))
+    return [GroupRecord(group_id=g, task=stand_in_task(g), rollouts=m) for g, m in members.items()]
 
 
 def renderer_with_template(tokenizer, template: str | None):

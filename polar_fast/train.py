@@ -1,7 +1,11 @@
 """The training run, in one uvloop process:
 
-    tasks -> pools (boot | agent: harness -> proxy -> engine | eval) -> finished groups
+    tasks -> pools (boot | agent: harness -> proxy -> engine | eval) -> group records
           -> merge + GRPO step (worker thread) -> weight sync -> policy version + 1 -> ...
+
+A finished group arrives as one GroupRecord (rollouts/groups.py: its task, rollouts and their
+calls), built by the pools where its last rollout ended; the loop logs its rollouts, queues it,
+and hands the step's groups to the learner as they are.
 
 Rollouts keep running while the learner trains (async RL): the pools never wait for a step, only
 for room in the ready-groups queue. A group whose oldest call is more than `max_staleness`
@@ -25,7 +29,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import msgspec
 
@@ -33,27 +37,24 @@ from polar_fast.config import Config, groups_in_flight
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner, trains_on
 from polar_fast.learner import distributed
-from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync
-from polar_fast.records import CALL_CAUSES, CallRecord, Outcome
+from polar_fast.learner.distributed import Leader
+from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSync
+from polar_fast.pools import Pools
+from polar_fast.proxy import Proxy
+from polar_fast.records import CALL_CAUSES, Outcome
 from polar_fast.report.metrics import MetricsWriter
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
 from polar_fast.rollouts.stack import open_rollouts
 from polar_fast.rollouts.task_images import check_images
 from polar_fast.rollouts.tasks import Task, load_tasks
 from polar_fast.signals import StopSignal
 
 
+Emit = Callable[[str, dict], None]  # on_event(kind, data): progress display
+
+
 class RunError(PolarError):
     """The run cannot start (output dir in use, no tasks, ...); the message says what to do."""
-
-
-@dataclass
-class ReadyGroup:
-    group: object  # pools.RolloutGroup
-    calls: list[CallRecord]
-
-    @property
-    def oldest_version(self) -> int | None:
-        return min((c.policy_version for c in self.calls), default=None)
 
 
 @dataclass
@@ -161,10 +162,10 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 evaluator = _PeriodicEval(cfg, rollouts, metrics, summary, emit)
                 if cfg.eval.at_start and learner.step_count == 0:
                     await evaluator.run(0)
-                pools = rollouts.pools(max_groups_in_flight=groups_in_flight(cfg.run),
-                                       partial_group_after_s=cfg.run.partial_group_after_s)
-                loop = _Loop(rollouts.cfg, learner, sync, pools, rollouts.agent, rollouts.proxy,
-                             metrics, summary, stop.event, emit, evaluator)
+                pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
+                                           partial_group_after_s=cfg.run.partial_group_after_s)
+                loop = _Loop(rollouts.cfg, learner=learner, sync=sync, pools=pools, proxy=rollouts.proxy,
+                             metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator)
                 pools.on_late = loop.on_late
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
@@ -177,11 +178,12 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
 class _Loop:
     """Pools and learner side by side; ends after the last step or at a stop request."""
 
-    def __init__(self, cfg, learner, sync, pools, agent, proxy, metrics, summary, stop, emit, evaluator=None) -> None:
-        self.cfg, self.learner, self.sync, self.pools = cfg, learner, sync, pools
-        self.agent, self.proxy, self.metrics, self.summary = agent, proxy, metrics, summary
-        self.stop, self.emit, self.evaluator = stop, emit, evaluator
-        self.ready: asyncio.Queue[ReadyGroup] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
+    def __init__(self, cfg: Config, *, learner: Learner | Leader, sync: WeightSync, pools: Pools, proxy: Proxy,
+                 metrics: MetricsWriter, summary: RunSummary, stop: asyncio.Event, emit: Emit,
+                 evaluator: _PeriodicEval | None = None) -> None:
+        self.cfg, self.learner, self.sync, self.pools, self.proxy = cfg, learner, sync, pools, proxy
+        self.metrics, self.summary, self.stop, self.emit, self.evaluator = metrics, summary, stop, emit, evaluator
+        self.ready: asyncio.Queue[GroupRecord] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
 
     async def run(self, tasks: Iterator[Task]) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -202,21 +204,24 @@ class _Loop:
             return False
         return step == last if final else (step % every == 0 and step < last)
 
-    async def on_group(self, group) -> None:
-        calls = self.agent.take_calls([r.rollout_id for r in group.rollouts], group.group_id)
+    async def on_group(self, group: GroupRecord) -> None:
+        """The pools' callback: log the group's rollouts, then queue it for the learner (a full
+        queue holds the pools back)."""
         for rollout in group.rollouts:
-            await self.proxy.record(rollout)
-            self.summary.outcomes[rollout.outcome.value] = self.summary.outcomes.get(rollout.outcome.value, 0) + 1
-        await self.ready.put(ReadyGroup(group, calls))
+            await self._log(rollout)
+        await self.ready.put(group)
 
-    async def on_late(self, rollout) -> None:
+    async def on_late(self, rollout: FinishedRollout) -> None:
         """A straggler whose group already trained without it (run.partial_group_after_s):
-        recorded, never trained; its calls are in records.log."""
-        self.agent.take_calls([rollout.rollout_id], rollout.group_id)
-        await self.proxy.record(rollout)
-        self.summary.outcomes[rollout.outcome.value] = self.summary.outcomes.get(rollout.outcome.value, 0) + 1
+        logged, never trained; its calls are in records.log."""
+        await self._log(rollout)
 
-    async def _next_group(self) -> ReadyGroup | None:
+    async def _log(self, rollout: FinishedRollout) -> None:
+        await self.proxy.record(rollout.record)
+        outcome = rollout.record.outcome.value
+        self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
+
+    async def _next_group(self) -> GroupRecord | None:
         """The next finished group, or None once a stop was requested (also when groups are
         ready: a stop asked during a step or its weight sync ends the run after that step)."""
         if self.stop.is_set():
@@ -233,28 +238,31 @@ class _Loop:
     async def _learn(self) -> None:
         cfg = self.cfg.run
         while self.learner.step_count < cfg.steps:
-            groups, withheld, skipped = [], [], []
+            groups: list[GroupRecord] = []
+            withheld: list[str] = []
+            skipped: list[GroupRecord] = []
             while len(groups) < cfg.groups_per_step:
-                ready = await self._next_group()
-                if ready is None:
+                group = await self._next_group()
+                if group is None:
                     self.summary.stopped_early = True
                     return
-                oldest = ready.oldest_version
+                oldest = group.oldest_version
                 if oldest is not None and self.learner.version - oldest > cfg.max_staleness:
-                    withheld.append(ready.group.group_id)  # its calls stay in records.log; it just does not train
+                    withheld.append(group.group_id)  # its calls stay in records.log; it just does not train
                     continue
-                if len(skipped) < cfg.zero_variance_skips and not trains_on(ready.group.rollouts, self.cfg.learner):
-                    skipped.append(ready)  # all rewards equal: no advantage, nothing to learn; wait for another
+                if len(skipped) < cfg.zero_variance_skips and not trains_on(group, self.cfg.learner):
+                    skipped.append(group)  # all rewards equal: no advantage, nothing to learn; wait for another
                     continue
-                groups.append(ready)
+                groups.append(group)
             await self._step(groups, withheld, skipped)
 
-    async def _step(self, groups: list[ReadyGroup], withheld_ids: list[str], skipped: list[ReadyGroup] = ()) -> None:
+    async def _step(self, groups: list[GroupRecord], withheld_ids: list[str],
+                    skipped: Sequence[GroupRecord] = ()) -> None:
         withheld = len(withheld_ids)
         calls = [c for g in groups for c in g.calls]
-        rollouts = [r for g in groups for r in g.group.rollouts]
+        rollouts = [r for g in groups for r in g.records]
         started = time.perf_counter()
-        step = await asyncio.to_thread(self.learner.step, calls, rollouts)
+        step = await asyncio.to_thread(self.learner.step, groups)
         await self.learner.sync_weights(self.sync)
         if step.step % self.cfg.run.checkpoint_every == 0:
             await asyncio.to_thread(self.learner.save, str(Path(self.cfg.run.output_dir) / "checkpoints"))
@@ -287,9 +295,9 @@ class _Loop:
             for cause, n in counts.items():
                 total[cause] = total.get(cause, 0) + n
         flat = await self.metrics.write(step.step, values)
-        await self.metrics.write_groups(step.step, [(g.group.group_id, "trained") for g in groups]
+        await self.metrics.write_groups(step.step, [(g.group_id, "trained") for g in groups]
                                         + [(g, "withheld") for g in withheld_ids]
-                                        + [(g.group.group_id, "skipped") for g in skipped])
+                                        + [(g.group_id, "skipped") for g in skipped])
         self.summary.steps.append(flat)
         self.emit("step", flat)
         if self._evaluates(step.step):
@@ -308,13 +316,13 @@ class _Loop:
             await asyncio.sleep(1.0)
 
 
-def _reward_stats(groups: list[ReadyGroup]) -> dict[str, float]:
+def _reward_stats(groups: Sequence[GroupRecord]) -> dict[str, float]:
     import statistics
 
-    scored = [r.reward for g in groups for r in g.group.rollouts if r.reward is not None]
+    scored = [r.reward for g in groups for r in g.records if r.reward is not None]
     per_group_std = []
     for g in groups:
-        rewards = [r.reward for r in g.group.rollouts if r.reward is not None]
+        rewards = [r.reward for r in g.records if r.reward is not None]
         if len(rewards) > 1:
             per_group_std.append(statistics.pstdev(rewards))
     return {

@@ -131,6 +131,7 @@ async def _build(cfg: Config, tasks, plays: dict[str, list[list[str]]], work: Pa
     from polar_fast.engines.scripted import PlaybookEngine
     from polar_fast.evaluate import run_eval
     from polar_fast.export import export_run
+    from polar_fast.grpo import Learner
     from polar_fast.learner.sft import run_sft
     from polar_fast.model import load_tokenizer
 
@@ -149,8 +150,8 @@ async def _build(cfg: Config, tasks, plays: dict[str, list[list[str]]], work: Pa
     exported = await asyncio.to_thread(export_run, work / "demos" / cfg.harness.name, work / "sft_data", min_reward=1.0)
     emit("info", {"message": f"warm start: {kept}/{len(tasks)} demonstrations passed; {exported}"})
     sft_cfg = msgspec.structs.replace(cfg, sft=msgspec.structs.replace(cfg.sft, rows_per_step=ws.rows_per_step))
-    sft = await asyncio.to_thread(run_sft, sft_cfg, work / "sft_data", out_dir=work / "model", epochs=ws.epochs,
-                                  lr=ws.lr, emit=emit, measure=False)
+    sft = await asyncio.to_thread(run_sft, sft_cfg, work / "sft_data", Learner.from_config, out_dir=work / "model",
+                                  epochs=ws.epochs, lr=ws.lr, emit=emit, measure=False)
     return {"demos": len(tasks), "demos_kept": kept, "rows": sft.rows, "trained_tokens": sft.trained_tokens,
             "forwarded_tokens": sft.tokens, "sft_steps": sft.steps, "nll_before": sft.nll_before,
             "nll_after": sft.nll_after, "sft_s": round(sft.duration_s, 1)}

@@ -10,10 +10,13 @@ The fix tables pin behaviour the real CLIs needed (each named after what broke w
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from polar_fast.capture import dialects
 from polar_fast.capture.dialects import DialectError, ReplyMeta, anthropic, responses
 from polar_fast.capture.dialects import chat_completions as chat
 from polar_fast.conversation import Completion, ToolCall
@@ -190,3 +193,13 @@ def test_chat_stream_sequence():
     assert [(c["index"], c.get("id"), c["function"].get("name")) for c in calls] == [
         (0, "call_1", "bash"), (0, None, None), (1, "call_2", "bash"), (1, None, None)]
     assert [d["finish_reason"] for d in deltas] == [None] * 7 + ["tool_calls"]
+
+
+def test_the_dialects_satisfy_their_protocol(tmp_path):
+    """mypy over the dialects package: each module checked against the `Dialect` Protocol where
+    DIALECTS maps its name to it, and the modules' own types (the rest of the tree is not in scope)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(tmp_path),
+                          "polar_fast/capture/dialects"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(dialects.DIALECTS) == ["anthropic", "chat", "responses"] and dialects.DIALECTS["chat"] is chat

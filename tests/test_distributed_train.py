@@ -31,11 +31,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_messages_round_trip_through_msgpack():
+    """A step's groups reach the followers whole: task, records, calls, diff and test results."""
+    from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
+    from polar_fast.rollouts.reward import EvalResult
+    from polar_fast.rollouts.tasks import load_builtin
+
     call = CallRecord(session_id="s", rollout_id="r", group_id="g", call_index=0, prompt_ids=[1, 2],
                       completion_ids=[3], completion_logprobs=[-0.25], policy_version=2,
                       finish_reason="stop", dialect="chat")
     rollout = RolloutRecord(rollout_id="r", group_id="g", task_id="t", harness="pi", outcome=Outcome.OK, reward=1.0)
-    message = Message(kind="step", calls=[call], rollouts=[rollout])
+    scored = EvalResult(reward=1.0, tests={"t.py::test_x": "passed"}, failed=[])
+    group = GroupRecord(group_id="g", task=load_builtin()[0],
+                        rollouts=[FinishedRollout(record=rollout, calls=[call], diff="+x", eval=scored)])
+    message = Message(kind="step", groups=[group])
     assert _decoder.decode(_encoder.encode(message)) == message
 
 
@@ -107,11 +115,12 @@ def test_two_rank_run_matches_a_single_process_step(tmp_path):
     calls = step_order(list(log.calls), rollouts)
 
     from polar_fast.grpo import Learner
+    from polar_fast.testing import groups_of
 
     torch.manual_seed(0)
     single = Learner.from_config(load_config(config))
     before = {k: v.clone() for k, v in single.policy.state_dict().items()}
-    expected = single.step(calls, rollouts)
+    expected = single.step(groups_of(calls, rollouts))
     assert expected.n_micro_batches == 2
     assert metrics["learner/n_micro_batches"] == expected.n_micro_batches
     assert metrics["learner/n_terms"] == expected.n_terms > 0

@@ -11,8 +11,8 @@ from test_packed_forward import branchy_calls, tiny_llama, tiny_qwen35
 
 from polar_fast.config import LearnerConfig
 from polar_fast.grpo import Learner
-from polar_fast.merge import reference as merge_reference
 from polar_fast.records import Outcome, RolloutRecord
+from polar_fast.testing import groups_of
 
 
 def rollouts(rewards: dict[str, float | None]) -> list[RolloutRecord]:
@@ -23,7 +23,7 @@ def rollouts(rewards: dict[str, float | None]) -> list[RolloutRecord]:
 
 def learner(layout: str = "tree", **cfg) -> Learner:
     cfg.setdefault("lr", 1e-3)
-    return Learner(LearnerConfig(**cfg), tiny_llama(), layout=layout, max_tokens=48, merge_impl=merge_reference)
+    return Learner(LearnerConfig(**cfg), tiny_llama(), layout=layout, max_tokens=48, merge_impl="reference")
 
 
 def params(lrn: Learner) -> torch.Tensor:
@@ -36,7 +36,7 @@ def test_layouts_take_the_same_step():
     results = {}
     for layout in ("percall", "paths", "tree"):
         lrn = learner(layout)
-        m = lrn.step(calls, rs)
+        m = lrn.step(groups_of(calls, rs))
         results[layout] = (m, params(lrn))
     base_m, base_p = results["percall"]
     assert base_m.n_terms == sum(len(c.completion_ids) for c in calls)
@@ -60,8 +60,8 @@ def test_hybrid_model_layouts_take_the_same_step(gradient_checkpointing):
     results = {}
     for layout in ("percall", "paths", "tree"):
         lrn = Learner(LearnerConfig(lr=1e-3, gradient_checkpointing=gradient_checkpointing), tiny_qwen35(),
-                      layout=layout, max_tokens=48, merge_impl=merge_reference)
-        results[layout] = (lrn.step(calls, rs), params(lrn))
+                      layout=layout, max_tokens=48, merge_impl="reference")
+        results[layout] = (lrn.step(groups_of(calls, rs)), params(lrn))
     base_m, base_p = results["percall"]
     for layout in ("paths", "tree"):
         m, p = results[layout]
@@ -76,7 +76,7 @@ def test_bfloat16_autocast_layouts_agree():
     # CPU autocast: packed attention's float32 masks go through SDPA's autocast with the queries
     calls = branchy_calls(np.random.default_rng(3), 211)
     rs = rollouts({"a": 1.0, "b": 0.0})
-    got = {layout: learner(layout, dtype="bfloat16").step(calls, rs) for layout in ("percall", "tree")}
+    got = {layout: learner(layout, dtype="bfloat16").step(groups_of(calls, rs)) for layout in ("percall", "tree")}
     assert math.isfinite(got["tree"].loss) and got["tree"].grad_norm > 0
     assert got["tree"].loss == pytest.approx(got["percall"].loss, abs=1e-2)
 
@@ -85,7 +85,7 @@ def test_gradient_checkpointing_takes_the_same_step():
     calls = branchy_calls(np.random.default_rng(3), 211)
     rs = rollouts({"a": 1.0, "b": 0.0})
     plain, ckpt = learner(), learner(gradient_checkpointing=True)
-    assert plain.step(calls, rs).loss == ckpt.step(calls, rs).loss
+    assert plain.step(groups_of(calls, rs)).loss == ckpt.step(groups_of(calls, rs)).loss
     torch.testing.assert_close(params(ckpt), params(plain), atol=1e-7, rtol=0)
 
 
@@ -93,7 +93,7 @@ def test_step_moves_policy_toward_advantage():
     calls = branchy_calls(np.random.default_rng(4), 211)
     rs = rollouts({"a": 1.0, "b": 0.0})
     lrn = learner("tree", lr=3e-3)
-    before = lrn.prepare(calls, rs)
+    before = lrn.prepare(groups_of(calls, rs))
     first = lrn.train_step(before)
     for _ in range(3):
         last = lrn.train_step(before)
@@ -106,7 +106,7 @@ def test_infra_and_flat_groups_train_nothing():
     calls = branchy_calls(np.random.default_rng(5), 211)
     lrn = learner()
     before = params(lrn)
-    m = lrn.step(calls, rollouts({"a": 1.0, "b": None}))  # "b" is infra: "a" alone has no group
+    m = lrn.step(groups_of(calls, rollouts({"a": 1.0, "b": None})))  # "b" is infra: "a" alone has no group
     assert m.n_terms == 0 and m.n_micro_batches == 0 and m.reward_mean == 1.0
     torch.testing.assert_close(params(lrn), before)
 
@@ -114,9 +114,9 @@ def test_infra_and_flat_groups_train_nothing():
 def test_kl_term_starts_at_zero():
     calls = branchy_calls(np.random.default_rng(6), 211)
     lrn = learner(kl_coef=0.1)
-    m = lrn.step(calls, rollouts({"a": 1.0, "b": 0.0}))
+    m = lrn.step(groups_of(calls, rollouts({"a": 1.0, "b": 0.0})))
     assert m.kl == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
-    m = lrn.step(calls, rollouts({"a": 1.0, "b": 0.0}))
+    m = lrn.step(groups_of(calls, rollouts({"a": 1.0, "b": 0.0})))
     assert m.kl > 0
 
 
@@ -124,15 +124,15 @@ def test_checkpoint_resume_is_exact(tmp_path):
     calls = branchy_calls(np.random.default_rng(7), 211)
     rs = rollouts({"a": 0.0, "b": 1.0})
     a = learner()
-    a.step(calls, rs)
+    a.step(groups_of(calls, rs))
     a.save(str(tmp_path))
     draw_a = torch.rand(3)
-    a.step(calls, rs)
+    a.step(groups_of(calls, rs))
 
     b = learner()
     assert b.resume(str(tmp_path))
     assert (b.step_count, b.version) == (1, 1)
     torch.testing.assert_close(torch.rand(3), draw_a)  # RNG restored
-    b.step(calls, rs)
+    b.step(groups_of(calls, rs))
     torch.testing.assert_close(params(b), params(a), atol=0, rtol=0)
     assert not learner().resume(str(tmp_path / "empty"))

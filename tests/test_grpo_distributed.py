@@ -20,12 +20,13 @@ def _step(world_learner_factory):
     from test_packed_forward import branchy_calls
 
     from polar_fast.records import Outcome, RolloutRecord
+    from polar_fast.testing import groups_of
 
     calls = branchy_calls(np.random.default_rng(11), 211)
     rollouts = [RolloutRecord(rollout_id=r, group_id="g", task_id="t", harness="h", outcome=Outcome.OK,
                               reward=v) for r, v in (("a", 1.0), ("b", 0.0))]
     lrn = world_learner_factory()
-    metrics = lrn.step(calls, rollouts)
+    metrics = lrn.step(groups_of(calls, rollouts))
     weights = {name: t.clone() for name, t in lrn.weight_stream()}  # collective under FSDP2
     return lrn, metrics, weights
 
@@ -35,11 +36,10 @@ def _factory():
 
     from polar_fast.config import LearnerConfig
     from polar_fast.grpo import Learner
-    from polar_fast.merge import reference as merge_reference
 
     # max_tokens 40 -> several micro-batches, an odd count, so one rank runs a filler pass
     return lambda: Learner(LearnerConfig(lr=1e-3), tiny_llama(), layout="tree", max_tokens=40,
-                           merge_impl=merge_reference)
+                           merge_impl="reference")
 
 
 @pytest.mark.slow

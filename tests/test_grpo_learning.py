@@ -16,9 +16,9 @@ from polar_fast.engines import Sampling
 from polar_fast.engines.embedded import EmbeddedEngine
 from polar_fast.grpo import Learner
 from polar_fast.learner.weight_sync import EngineSync
-from polar_fast.merge import reference as merge_reference
 from polar_fast.model import load_model, load_tokenizer
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
+from polar_fast.testing import groups_of
 
 TARGET = {3, 4, 5, 6}
 VOCAB = 16
@@ -62,7 +62,7 @@ async def test_mean_reward_rises(tiny_model_dir):
     def setup() -> tuple[EmbeddedEngine, Learner]:  # loading reads files: off the event loop
         engine = EmbeddedEngine(ModelConfig(path=tiny_model_dir), EngineConfig())
         learner = Learner(LearnerConfig(lr=2e-2, grad_clip=1.0), load_model(tiny_model_dir),
-                          layout="tree", max_tokens=512, merge_impl=merge_reference)
+                          layout="tree", max_tokens=512, merge_impl="reference")
         return engine, learner
 
     engine, learner = await anyio.to_thread.run_sync(setup)
@@ -78,7 +78,7 @@ async def test_mean_reward_rises(tiny_model_dir):
                 calls += rc
                 rollouts.append(RolloutRecord(rollout_id=rid, group_id=f"s{step}g{g}", task_id=str(g),
                                               harness="test", outcome=Outcome.OK, reward=reward(rc)))
-        metrics = await anyio.to_thread.run_sync(learner.step, calls, rollouts)
+        metrics = await anyio.to_thread.run_sync(learner.step, groups_of(calls, rollouts))
         means.append(metrics.reward_mean)
         assert all(c.policy_version == step for c in calls)  # sampled by the weights of this step
         await learner.sync_weights(sync)

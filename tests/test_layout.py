@@ -1,14 +1,22 @@
-"""The package layering holds, and README.md's layout table matches the tree.
+"""The package's layers only point down, nothing imports in a circle, and README.md's layout table
+matches the tree.
 
-Stages: each has an entry module and a package of what that entry uses. A module may import
-another stage's entry, or the few modules a stage offers the rest of the program (PUBLIC), never
-the rest of another stage's package. The shared core (conversation, records, config, ...) imports
-no stage at all, and only the faces of the native extension import it.
+Layers, bottom first (LAYERS): the shared core; the parts the stages are built from (capture/,
+engines/, merge/); the proxy; what the pools run (rollouts/); the pools; what the learner uses
+(learner/); the learner (grpo.py); the run (train, evaluate, serve, cli, ...). A module imports
+only from its own layer or below: a stage's package never imports its entry module, and nothing
+below the run imports the run. Within that, a module may import another stage's entry, or the
+few modules a stage offers the rest of the program (PUBLIC), never the rest of another stage's
+package; only the faces of the native extension import it. No import circle anywhere, counting
+imports inside functions and under TYPE_CHECKING, except a family package's `__init__` importing
+its own members for its name->class map (STYLE.md §5: engines/, harnesses/, dialects/), which
+is the family's face: its members import what it defined before it imports them.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -17,6 +25,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "polar_fast"
 
+CORE = {"polar_fast", "polar_fast.conversation", "polar_fast.records", "polar_fast.config", "polar_fast.errors",
+        "polar_fast.model", "polar_fast.wire", "polar_fast.wire.reference", "polar_fast.signals"}
+NATIVE = "polar_fast._native"
+LAYERS = [  # bottom first: (name, the modules and packages in it); the run is everything else
+    ("core", CORE | {NATIVE}),
+    ("parts", {"polar_fast.capture", "polar_fast.engines", "polar_fast.merge"}),
+    ("proxy", {"polar_fast.proxy"}),
+    ("rollouts", {"polar_fast.rollouts"}),
+    ("pools", {"polar_fast.pools"}),
+    ("learner", {"polar_fast.learner"}),
+    ("grpo", {"polar_fast.grpo"}),
+]
 STAGES = {  # package -> its entry module
     "polar_fast.capture": "polar_fast.proxy",
     "polar_fast.rollouts": "polar_fast.pools",
@@ -26,17 +46,15 @@ STAGES = {  # package -> its entry module
 }
 PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.rollouts.tasks", "polar_fast.rollouts.stack", "polar_fast.rollouts.harnesses",
+    "polar_fast.rollouts.groups",  # the group record the pools hand on and the learner trains on
     "polar_fast.rollouts.service", "polar_fast.rollouts.validate", "polar_fast.rollouts.task_images",
     "polar_fast.learner.distributed", "polar_fast.learner.weight_sync", "polar_fast.learner.checkpoint",
-    "polar_fast.learner.sft",
+    "polar_fast.learner.sft", "polar_fast.learner.batches",
     "polar_fast.engines.vllm_launch", "polar_fast.engines.scripted",
     "polar_fast.merge.arrays",  # the array contract the learner reads
 }
-CORE = {"polar_fast.conversation", "polar_fast.records", "polar_fast.config", "polar_fast.errors",
-        "polar_fast.model", "polar_fast.wire", "polar_fast.wire.reference", "polar_fast.signals"}
 DIALECTS = "polar_fast.capture.dialects"
 FACES = {"polar_fast.merge", "polar_fast.capture.tokenizer", "polar_fast.wire"}
-NATIVE = "polar_fast._native"
 TEST_HELPERS = {"polar_fast.testing"}  # builds test set-ups from any stage's parts
 MAX_TOP_LEVEL_MODULES = 18
 
@@ -64,6 +82,12 @@ def imports_of(module: str, source: str) -> set[str]:
     return {name for name in found if name.split(".")[0] == "polar_fast"}
 
 
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the polar_fast modules it imports (`from pkg import name` of a non-module: pkg)."""
+    known = set(sources) | {NATIVE}
+    return {m: {t for t in imports_of(m, s) if t in known and t != m} for m, s in sources.items()}
+
+
 def stage_of(module: str) -> str | None:
     for package, entry in STAGES.items():
         if module == entry or module == package or module.startswith(package + "."):
@@ -71,20 +95,31 @@ def stage_of(module: str) -> str | None:
     return None
 
 
+def layer_of(module: str) -> int:
+    for i, (_, members) in enumerate(LAYERS):
+        if any(module == m or (m != "polar_fast" and module.startswith(m + ".")) for m in members):
+            return i
+    return len(LAYERS)  # the run
+
+
+def layer_name(i: int) -> str:
+    return LAYERS[i][0] if i < len(LAYERS) else "run"
+
+
 def violations(sources: dict[str, str]) -> list[str]:
-    known = set(sources) | {NATIVE}
     bad = []
-    for module, source in sources.items():
-        for target in imports_of(module, source):
-            if target not in known:  # `from pkg import name` where name is not a module
+    for module, targets in import_graph(sources).items():
+        for target in targets:
+            if layer_of(target) > layer_of(module):
+                bad.append(f"{module} ({layer_name(layer_of(module))}) imports upward: {target} "
+                           f"({layer_name(layer_of(target))})")
                 continue
             if target == NATIVE:
                 if module not in FACES:
                     bad.append(f"{module} imports the native extension; use its face ({', '.join(sorted(FACES))})")
                 continue
-            if module in CORE or module == "polar_fast.conversation" or module.startswith(DIALECTS):
-                allowed = target in CORE or target.startswith(DIALECTS)
-                if not allowed:
+            if module in CORE or module.startswith(DIALECTS):
+                if not (target in CORE or target.startswith(DIALECTS)):
                     bad.append(f"{module} is shared by every stage and must not import {target}")
                 continue
             if module in TEST_HELPERS:
@@ -96,8 +131,46 @@ def violations(sources: dict[str, str]) -> list[str]:
     return bad
 
 
-def test_the_package_keeps_its_layering():
+def circles(sources: dict[str, str]) -> list[list[str]]:
+    """The import circles (strongly connected components of two or more modules), leaving out a
+    package's imports of its own members (the family face, see the module docstring)."""
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in import_graph(sources).items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph has a few hundred nodes, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_imports_only_point_down():
     assert violations(module_sources()) == []
+
+
+def test_no_import_circles():
+    assert circles(module_sources()) == []
 
 
 @pytest.mark.parametrize("module, line", [
@@ -109,12 +182,32 @@ def test_the_package_keeps_its_layering():
     ("polar_fast.train", "from polar_fast.capture.history import History"),
     ("polar_fast.export", "from polar_fast.merge import reference"),
     ("polar_fast.proxy", "def f():\n    from polar_fast.learner.packed_forward import PackedLM"),
+    # upward: a stage's package importing its entry, a lower layer a higher one, anything the run
+    ("polar_fast.rollouts.stack", "from polar_fast.pools import Pools"),
+    ("polar_fast.learner.sft", "def f():\n    from polar_fast.grpo import Learner"),
+    ("polar_fast.capture.history", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from polar_fast.proxy import Session"),
+    ("polar_fast.pools", "from polar_fast.grpo import trains_on"),
+    ("polar_fast.grpo", "from polar_fast.train import RunError"),
 ])
 def test_a_layering_break_is_caught(module, line):
     sources = module_sources()
     sources[module] = sources[module] + "\n" + line + "\n"
     found = violations(sources)
     assert len(found) == 1 and found[0].startswith(module), found
+
+
+@pytest.mark.parametrize("module, line", [
+    ("polar_fast.capture.skeleton", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from polar_fast.capture.render import Renderer"),
+    ("polar_fast.rollouts.task_rows", "def f():\n    from polar_fast.rollouts.families import family_tasks"),
+    ("polar_fast.rollouts.log_parsers", "from polar_fast.rollouts.reward import score"),
+    ("polar_fast.engines.http1", "from polar_fast.engines.vllm import VllmEngine"),
+])
+def test_a_circle_is_caught(module, line):
+    """The three circles this package once had, and one through a family's member."""
+    sources = module_sources()
+    sources[module] = sources[module] + "\n" + line + "\n"
+    found = circles(sources)
+    assert len(found) == 1 and module in found[0], found
 
 
 def test_only_one_of_a_kind_modules_sit_at_the_top_level():
@@ -153,3 +246,38 @@ def test_readme_layout_names_exactly_the_packages_that_exist():
 def test_user_docs_stand_alone():
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         assert "../shared" not in doc.read_text(), f"{doc.name} points at ../shared, which users do not have"
+
+
+BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
+                      if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def exception_classes(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Every class polar_fast defines -> its base names, for the exception check below."""
+    classes: dict[str, list[str]] = {}
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                         if isinstance(b, (ast.Name, ast.Attribute))]
+                classes[f"{module}.{node.name}"] = bases
+    return classes
+
+
+def test_every_exception_derives_from_polar_error():
+    classes = exception_classes(module_sources())
+    by_name = {qualified.rsplit(".", 1)[1]: bases for qualified, bases in classes.items()}
+
+    def ancestors(name: str, seen: frozenset = frozenset()) -> set[str]:
+        out = {name}
+        for base in by_name.get(name, []):
+            if base not in seen:
+                out |= ancestors(base, seen | {name})
+        return out
+
+    strays = []
+    for qualified, bases in classes.items():
+        found = ancestors(qualified.rsplit(".", 1)[1])
+        if found & BUILTIN_EXCEPTIONS and "PolarError" not in found and not qualified.endswith(".PolarError"):
+            strays.append(qualified)
+    assert strays == [], f"exceptions that do not derive from errors.PolarError: {strays}"

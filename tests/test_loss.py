@@ -11,8 +11,8 @@ import torch
 from polar_fast.config import LearnerConfig
 from polar_fast.grpo import build_step_batch
 from polar_fast.learner import losses
-from polar_fast.merge import reference as merge_reference
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
+from polar_fast.testing import groups_of
 
 
 def test_group_advantages_by_mode():
@@ -123,8 +123,8 @@ def _calls() -> list[CallRecord]:
 @pytest.mark.parametrize("max_tokens", [32, 128])
 def test_per_rollout_weight_independent_of_split(layout, max_tokens):
     rollouts = [_rollout("a", "g", 1.0), _rollout("b", "g", 0.0)]
-    batch = build_step_batch(_calls(), rollouts, LearnerConfig(), layout=layout, max_tokens=max_tokens,
-                             merge_impl=merge_reference)
+    batch = build_step_batch(groups_of(_calls(), rollouts), LearnerConfig(), layout=layout, max_tokens=max_tokens,
+                             merge_impl="reference")
     total = {0: 0.0, 1: 0.0}
     for keys, weights in zip(batch.keys_rollout, batch.weights):
         for k, w in zip(keys, weights):
@@ -138,6 +138,6 @@ def test_per_rollout_weight_independent_of_split(layout, max_tokens):
 def test_token_mean_weights_are_uniform():
     rollouts = [_rollout("a", "g", 1.0), _rollout("b", "g", 0.0)]
     cfg = LearnerConfig(aggregation="token-mean")
-    batch = build_step_batch(_calls(), rollouts, cfg, layout="tree", max_tokens=32, merge_impl=merge_reference)
+    batch = build_step_batch(groups_of(_calls(), rollouts), cfg, layout="tree", max_tokens=32, merge_impl="reference")
     flat = np.concatenate(batch.weights)
     assert flat == pytest.approx(np.full(14, 1 / 14))

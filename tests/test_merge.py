@@ -1,12 +1,15 @@
 """The merge: Rust == Python reference, plus the invariants the learner relies on.
 
-Every invariant test runs on both implementations through the `merge_impl` fixture.
+Every invariant test runs on both implementations through the `merge_impl` fixture, which calls
+them as the learner does: through the face, `polar_fast.merge.merge(..., impl=...)`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -25,9 +28,18 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 LAYOUTS = ("tree", "paths")
 
 
-@pytest.fixture(scope="module", params=["reference", "rust"])
+@pytest.fixture(scope="module", params=rust.IMPLS)
 def merge_impl(request):
-    return reference if request.param == "reference" else rust
+    return SimpleNamespace(merge=functools.partial(rust.merge, impl=request.param),
+                           pack=functools.partial(rust.pack, impl=request.param))
+
+
+def test_the_face_selects_the_reference_and_refuses_other_impls():
+    calls = [call("a", [1, 2], [3]), call("b", [1, 2], [4])]
+    assert_same(rust.merge(calls, impl="reference"), reference.merge(calls))
+    assert rust.pack_plans(rust.merge(calls), max_tokens=8, impl="reference")[0].index.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="merge impl"):
+        rust.merge(calls, impl="python")  # type: ignore[arg-type]
 
 
 def call(rollout: str, prompt: list[int], completion: list[int], version: int = 0, index: int = 0) -> CallRecord:

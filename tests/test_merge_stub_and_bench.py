@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from polar_fast.merge import merge, pack_plans
+from polar_fast.config import LAYOUTS
+from polar_fast.merge import MergeStats, PackPlan, merge, pack_plans
+from polar_fast.merge.arrays import ARRAY_FIELDS
 from polar_fast.model import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +23,29 @@ def test_stub_matches_the_extension():
     out = subprocess.run([sys.executable, "-m", "mypy.stubtest", "polar_fast._native"],
                          capture_output=True, text=True, cwd="/", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _rust_fn(source: str, name: str) -> str:
+    return source.split(f"fn {name}", 1)[1].split("\n}\n", 1)[0]
+
+
+def test_the_rust_side_uses_the_names_python_defines():
+    """Layout names (config.LAYOUTS) and array names (merge.arrays.ARRAY_FIELDS, MergeStats,
+    PackPlan) are defined once in Python; lib.rs and _native.pyi spell them again, so hold them
+    to the Python definitions."""
+    lib = (ROOT / "rust" / "merge" / "src" / "lib.rs").read_text()
+    assert tuple(re.findall(r'd\.set_item\("(\w+)"', _rust_fn(lib, "layout_dict"))) == ARRAY_FIELDS
+    assert tuple(re.findall(r'\("(\w+)", s\.\w+\)', _rust_fn(lib, "stats_dict"))) == MergeStats.__struct_fields__
+    pack = _rust_fn(lib, "pack_plan")
+    assert tuple(re.findall(r'd\.set_item\("(\w+)"', pack)) == tuple(PackPlan.__dataclass_fields__)
+    for name in ("merge_calls", "pack_plan"):
+        assert tuple(re.findall(r'"(\w+)" =>', _rust_fn(lib, name))) == LAYOUTS, name
+    inputs = re.findall(r"(\w+): PyReadonlyArray1", pack)
+    assert inputs and set(inputs) <= set(ARRAY_FIELDS)
+    stub = (ROOT / "polar_fast" / "_native.pyi").read_text()
+    assert "from polar_fast.config import Layout" in stub and not re.search(r'"(tree|paths)"\]', stub)
+    stub_pack = stub.split("def pack_plan(", 1)[1].split("*,", 1)[0]
+    assert re.findall(r"(\w+): npt", stub_pack) == inputs
 
 
 HARNESSES = ("claude-code", "qwen-code", "codex", "pi", "mini-swe-agent")

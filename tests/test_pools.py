@@ -56,10 +56,10 @@ async def test_local_outcomes_ok_agent_error_timeout(local):
     groups = await run_pools(pools, tasks)
     by_task = {g.task.repo.split("/")[1]: g for g in groups}
     assert sorted(by_task) == ["csvline", "intervals", "lru"]
-    assert [(r.outcome, r.reward) for r in by_task["intervals"].rollouts] == [(Outcome.OK, 1.0)] * 2
-    assert [(r.outcome, r.reward) for r in by_task["lru"].rollouts] == [(Outcome.AGENT_ERROR, 0.0)] * 2
-    assert [(r.outcome, r.reward) for r in by_task["csvline"].rollouts] == [(Outcome.TIMEOUT, 0.0)] * 2
-    assert all("b/spans/merge.py" in d for d in by_task["intervals"].diffs.values())
+    assert [(r.outcome, r.reward) for r in by_task["intervals"].records] == [(Outcome.OK, 1.0)] * 2
+    assert [(r.outcome, r.reward) for r in by_task["lru"].records] == [(Outcome.AGENT_ERROR, 0.0)] * 2
+    assert [(r.outcome, r.reward) for r in by_task["csvline"].records] == [(Outcome.TIMEOUT, 0.0)] * 2
+    assert all("b/spans/merge.py" in r.diff for r in by_task["intervals"].rollouts)
     stats = pools.statistics()
     assert stats.groups_done == 3 and stats.rollouts_done == 6 and stats.retries == 0
     assert stats.agent.completed == 6 and stats.eval.completed == 2 and stats.boot.completed == 6
@@ -71,10 +71,10 @@ async def test_local_wrong_fix_scores_0(local):
     task = BUILTIN["roman"]
     wrong = "sed -i 's/(1, \"I\"),/(4, \"IV\"),\\n    (1, \"I\"),/' numerals.py"
     groups = await run_pools(Pools(small(group_size=1), local, CommandAgent(wrong), agent_timeout_s=30), [task])
-    (record,) = groups[0].rollouts
-    assert record.outcome is Outcome.OK and record.reward == 0.0
-    assert groups[0].evals[record.rollout_id].failed == task.FAIL_TO_PASS  # partial fix: 4 but not 9
-    assert '+    (4, "IV"),' in groups[0].diffs[record.rollout_id]
+    (rollout,) = groups[0].rollouts
+    assert rollout.record.outcome is Outcome.OK and rollout.record.reward == 0.0
+    assert rollout.eval.failed == task.FAIL_TO_PASS  # partial fix: 4 but not 9
+    assert '+    (4, "IV"),' in rollout.diff
 
 
 async def test_infra_errors_are_retried_then_never_scored(local):
@@ -90,7 +90,7 @@ async def test_infra_errors_are_retried_then_never_scored(local):
     pools = Pools(small(group_size=1, infra_retries=1), local, CommandAgent(apply_gold), agent_timeout_s=30,
                   prepare=flaky_prepare)
     (group,) = await run_pools(pools, [task])
-    (record,) = group.rollouts
+    (record,) = group.records
     assert (record.outcome, record.reward, record.attempt) == (Outcome.OK, 1.0, 1)
     assert record.rollout_id.endswith(".a1")
     assert pools.statistics().boot.failed == 1
@@ -102,7 +102,7 @@ async def test_infra_errors_are_retried_then_never_scored(local):
     pools = Pools(small(group_size=1, infra_retries=2), local, CommandAgent(apply_gold), agent_timeout_s=30,
                   prepare=always_fails)
     (group,) = await run_pools(pools, [task])
-    (record,) = group.rollouts
+    (record,) = group.records
     assert (record.outcome, record.reward, record.attempt) == (Outcome.INFRA_ERROR, None, 2)
     assert "boot:" in record.error and pools.statistics().boot.failed == 3
 
@@ -187,7 +187,7 @@ async def test_docker_solved_1_wrong_0_hanging_killed(docker):
             return result
 
     pools = Pools(small(group_size=1), docker, Watching(lambda t: scripts[t.instance_id]), agent_timeout_s=2.0)
-    groups = {g.task.instance_id: g.rollouts[0] for g in await run_pools(pools, [task_ok, task_wrong, task_hang])}
+    groups = {g.task.instance_id: g.records[0] for g in await run_pools(pools, [task_ok, task_wrong, task_hang])}
     assert (groups[task_ok.instance_id].outcome, groups[task_ok.instance_id].reward) == (Outcome.OK, 1.0)
     assert (groups[task_wrong.instance_id].outcome, groups[task_wrong.instance_id].reward) == (Outcome.OK, 0.0)
     assert (groups[task_hang.instance_id].outcome, groups[task_hang.instance_id].reward) == (Outcome.TIMEOUT, 0.0)
@@ -223,7 +223,7 @@ async def test_docker_container_dying_during_boot_is_infra_error_and_retried(doc
     pools = Pools(small(group_size=1, infra_retries=1), docker, CommandAgent(apply_gold), agent_timeout_s=60,
                   prepare=dies_once)
     (group,) = await run_pools(pools, [task])
-    (record,) = group.rollouts
+    (record,) = group.records
     assert (record.outcome, record.reward, record.attempt) == (Outcome.OK, 1.0, 1)
     assert pools.statistics().boot.failed == 1 and pools.statistics().retries == 1
     assert await docker.list_run() == []

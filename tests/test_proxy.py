@@ -313,6 +313,43 @@ async def test_engine_down_and_timeout(tmp_path, dialect):
             assert await px.records() == []
 
 
+class ChatEngine(SlowEngine):
+    """Stands in for vLLM's chat route under `engine.render = "engine"` (the real one needs vLLM:
+    test_vllm_real.py): answers, hangs, or fails with a bug, as asked."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    async def chat(self, messages, tools, sampling, *, session_id=""):
+        from polar_fast.engines.vllm import ChatReply
+
+        if self.mode == "hang":
+            await asyncio.sleep(30)
+        if self.mode == "bug":
+            raise KeyError("choices")
+        generation = Generation(token_ids=[5, 6, 2], logprobs=[-0.1, -0.2, -0.3], finish_reason="stop")
+        return ChatReply(prompt_ids=[1, 2, 3], generation=generation, message={"content": "hello"})
+
+
+async def test_engine_rendered_calls_share_the_engine_wrapper(tmp_path):
+    """The two ways to a completion go through one timeout-and-failure path: a hung chat call is a
+    504, a bug in it a 502, each counted on the session as an engine failure; an answered one is
+    recorded with vLLM's prompt ids."""
+    for mode, status in [("ok", 200), ("hang", 504), ("bug", 502)]:
+        config = {"engine": {"render": "engine", "timeout_s": 0.2}}
+        async with scripted_proxy(tmp_path, engine=ChatEngine(mode), config=config) as px, aiohttp.ClientSession() as http:
+            async with http.post(px.base_url + PATHS["chat"], json=simple_request("chat")) as r:
+                assert r.status == status, mode
+            session = px.proxy.state.sessions[px.token]
+            assert session.engine_failures == (status != 200) and session.failing_calls == (status != 200), mode
+            records = await px.records()
+            if status == 200:
+                (record,) = records
+                assert (record.history, record.prompt_ids, record.completion_ids) == ("render:engine", [1, 2, 3], [5, 6, 2])
+            else:
+                assert records == []
+
+
 async def test_scripted_engine_out_of_replies_is_503_and_others_unaffected(tmp_path):
     async with scripted_proxy(tmp_path, ["one"]) as px, aiohttp.ClientSession() as http:
         other = await px.new_session("r1", "g")

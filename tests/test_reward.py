@@ -8,7 +8,8 @@ import pytest
 
 import polar_fast.rollouts.sandboxes.docker  # noqa: F401  (imported before the loop: import reads files)
 from polar_fast.config import SandboxConfig
-from polar_fast.rollouts.reward import evaluate, parse_test_output
+from polar_fast.rollouts.log_parsers import parse_test_output
+from polar_fast.rollouts.reward import evaluate
 from polar_fast.rollouts.sandboxes import SandboxSpec, make_sandbox_factory
 from polar_fast.rollouts.tasks import load_builtin
 

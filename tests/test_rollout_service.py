@@ -15,9 +15,10 @@ import pytest
 from polar_fast import merge
 from polar_fast.config import RolloutServiceConfig, parse_config
 from polar_fast.errors import ConfigError
-from polar_fast.pools import RolloutGroup
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, read_log
-from polar_fast.rollouts.service import FRAME_HEADER, RolloutService, decode_batch, open_rollout_service
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
+from polar_fast.rollouts.service import FRAME_HEADER, RolloutService, decode_batch
+from polar_fast.serve import open_rollout_service
 from polar_fast.rollouts.tasks import load_builtin
 from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
 from polar_fast.warm_start import bash_call
@@ -34,29 +35,26 @@ def call(rollout: str, index: int, prompt: list[int], completion: list[int]) -> 
 
 
 class Harness:
-    """Stands in for HarnessAgent.take_calls and the recorder in the API-only tests."""
+    """Stands in for the recorder in the API-only tests."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, list[CallRecord]] = {}
         self.recorded: list[RolloutRecord] = []
-
-    def take_calls(self, rollout_ids: list[str], group_id: str) -> list[CallRecord]:
-        return [c for rid in rollout_ids for c in self.calls.pop(rid, [])]
 
     async def record(self, record) -> None:
         self.recorded.append(record)
 
 
-async def finish(service: RolloutService, harness: Harness, group_id: str, rewards: list[float | None]) -> RolloutGroup:
+async def finish(service: RolloutService, group_id: str, rewards: list[float | None]) -> GroupRecord:
+    """Hand the service a finished group as the pools would (an infra error made no calls)."""
     rollouts = []
     for i, reward in enumerate(rewards):
         rid = f"{group_id}-r{i}"
         outcome = Outcome.OK if reward is not None else Outcome.INFRA_ERROR
-        rollouts.append(RolloutRecord(rollout_id=rid, group_id=group_id, task_id=TASK.instance_id, harness="h",
-                                      outcome=outcome, reward=reward))
-        if reward is not None:
-            harness.calls[rid] = [call(rid, 0, [1, 2, 3], [4 + i, 5]), call(rid, 1, [1, 2, 3, 4 + i, 5, 6], [7])]
-    group = RolloutGroup(group_id=group_id, task=TASK, rollouts=rollouts, diffs={}, evals={})
+        record = RolloutRecord(rollout_id=rid, group_id=group_id, task_id=TASK.instance_id, harness="h",
+                               outcome=outcome, reward=reward)
+        calls = [call(rid, 0, [1, 2, 3], [4 + i, 5]), call(rid, 1, [1, 2, 3, 4 + i, 5, 6], [7])]
+        rollouts.append(FinishedRollout(record=record, calls=calls if reward is not None else []))
+    group = GroupRecord(group_id=group_id, task=TASK, rollouts=rollouts)
     await service.on_group(group)
     return group
 
@@ -65,8 +63,7 @@ async def finish(service: RolloutService, harness: Harness, group_id: str, rewar
 async def api():
     harness = Harness()
     cfg = RolloutServiceConfig(max_pending_groups=2, keep_groups=2, api_key="sesame", layout="tree")
-    service = RolloutService(cfg, default_group_size=2, take_calls=harness.take_calls, record=harness.record,
-                             builtin={TASK.instance_id: TASK})
+    service = RolloutService(cfg, default_group_size=2, record=harness.record, builtin={TASK.instance_id: TASK})
     runner = aiohttp.web.AppRunner(service.make_app(), access_log=None)
     await runner.setup()
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
@@ -126,19 +123,17 @@ async def test_batches_poll_and_stream(api):
         async with http.post(f"{url}/rollouts/groups", json={"task": TASK.instance_id}) as r:
             ids.append((await r.json())["group_id"])
         if len(ids) == 2:  # two pending is the limit: finish the first to make room
-            group = await finish(service, harness, ids[0], [1.0, 0.0])
+            group = await finish(service, ids[0], [1.0, 0.0])
     async with http.get(f"{url}/rollouts/stream") as stream:
         (early,) = await read_frames(stream, 1)  # the one finished before the stream opened
-        await finish(service, harness, ids[1], [0.5, None])
+        await finish(service, ids[1], [0.5, None])
         (live,) = await read_frames(stream, 1)
     async with http.get(f"{url}/rollouts/groups/{ids[0]}/batch") as r:
         assert r.content_type == "application/msgpack" and await r.read() == early
     batch = decode_batch(early)
     assert (batch["group_id"], batch["seq"], batch["layout"]) == (ids[0], 0, "tree")
     assert batch["rollout_ids"] == [f"{ids[0]}-r0", f"{ids[0]}-r1"] and batch["rewards"] == [1.0, 0.0]
-    expected = merge.merge([c for r in group.rollouts for c in
-                            [call(r.rollout_id, 0, [1, 2, 3], [4 + int(r.rollout_id[-1]), 5]),
-                             call(r.rollout_id, 1, [1, 2, 3, 4 + int(r.rollout_id[-1]), 5, 6], [7])]])
+    expected = merge.merge(group.calls)
     for name in ("tokens", "parent", "size", "loss_mask", "logprobs", "versions", "rollout", "offsets"):
         assert np.array_equal(batch["arrays"][name], getattr(expected, name)), name
     assert batch["stats"]["n_samples"] == expected.stats.n_samples == 6
@@ -149,7 +144,7 @@ async def test_batches_poll_and_stream(api):
     assert second["seq"] == 1 and second["rollout_ids"] == [f"{ids[1]}-r0"] and second["rewards"] == [0.5]
     assert [r["outcome"] for r in second["rollouts"]] == ["ok", "infra_error"]
 
-    await finish(service, harness, ids[2], [1.0, 1.0])  # keep_groups = 2: the first is dropped
+    await finish(service, ids[2], [1.0, 1.0])  # keep_groups = 2: the first is dropped
     async with http.get(f"{url}/rollouts/groups/{ids[0]}") as r:
         assert r.status == 404 and "dropped" in (await r.json())["error"]["message"]
     async with http.get(f"{url}/rollouts/groups/{ids[2]}") as r:

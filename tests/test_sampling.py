@@ -55,7 +55,7 @@ async def test_the_runs_sampling_wins_and_the_harness_ask_is_recorded(tmp_path, 
 async def test_a_seeded_run_gives_each_call_its_own_stable_seed(tmp_path):
     """sampling.seed set: the rollouts of a group see the same prompt, so one seed for all would
     make them sample alike (zero variance); each call's seed derives from its rollout and index."""
-    from polar_fast.proxy import call_seed
+    from polar_fast.capture.sampling import call_seed
 
     engine = SeenSampling([[5, 6, 7]], cycle=True)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -12,6 +12,8 @@ from test_packed_forward import tiny_llama
 
 from polar_fast.config import parse_config
 from polar_fast.evaluate import checkpoint_model_dir
+from polar_fast.grpo import Learner
+from polar_fast.learner.batches import nll_step_batch
 from polar_fast.learner.sft import SftError, read_rows, run_sft
 from polar_fast.model import load_model, load_tokenizer
 
@@ -44,7 +46,7 @@ def write_rows(path, rows) -> None:
 def test_sft_lowers_the_loss_on_its_rows_and_writes_a_loadable_model(tmp_path):
     write_rows(tmp_path / "data", token_rows())
     cfg = parse_config({"run": {"output_dir": str(tmp_path / "run")}, "sft": {"epochs": 3, "lr": 1e-4, "rows_per_step": 1}})
-    report = run_sft(cfg, tmp_path / "data", out_dir=tmp_path / "model")
+    report = run_sft(cfg, tmp_path / "data", Learner.from_config, out_dir=tmp_path / "model")
     assert report.rows == 2 and report.steps == 6 and report.trained_tokens > 10
     assert report.nll_after < report.nll_before * 0.8, (report.nll_before, report.nll_after)
     assert checkpoint_model_dir(str(tmp_path / "model"), "") == tmp_path / "model"
@@ -75,7 +77,6 @@ def test_rows_sharing_a_prompt_are_forwarded_once_with_the_same_loss():
     """Two multi-turn rows with the same system prompt: the tree batch forwards that prompt once,
     the per-call layout forwards every call whole, and the token-mean NLL is the same."""
     from polar_fast.config import LearnerConfig
-    from polar_fast.grpo import Learner, nll_step_batch
 
     system = list(range(100, 160))  # token ids < tiny_llama's vocabulary of 211
     rows = []

@@ -14,7 +14,9 @@ from polar_fast.config import parse_config
 from polar_fast.grpo import StepMetrics
 from polar_fast.pools import PoolsStatistics, StageStatistics
 from polar_fast.records import CallRecord, Outcome, RolloutRecord
-from polar_fast.train import ReadyGroup, RunSummary, _Loop
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
+from polar_fast.testing import stand_in_task
+from polar_fast.train import RunSummary, _Loop
 
 
 def call(rollout: str, version: int) -> CallRecord:
@@ -23,10 +25,17 @@ def call(rollout: str, version: int) -> CallRecord:
                       finish_reason="stop", dialect="chat")
 
 
-def group(name: str, version: int, rewards: tuple[float, ...] = (1.0, 0.0)) -> ReadyGroup:
-    rollouts = [RolloutRecord(rollout_id=f"{name}" if i == 0 else f"{name}-r{i}", group_id=name, task_id="t",
-                              harness="h", outcome=Outcome.OK, reward=r) for i, r in enumerate(rewards)]
-    return ReadyGroup(SimpleNamespace(group_id=name, rollouts=rollouts), [call(name, version)])
+def group(name: str, version: int, rewards: tuple[float, ...] = (1.0, 0.0)) -> GroupRecord:
+    """Its first rollout made one call, at policy `version`."""
+    records = [RolloutRecord(rollout_id=f"{name}" if i == 0 else f"{name}-r{i}", group_id=name, task_id="t",
+                             harness="h", outcome=Outcome.OK, reward=r) for i, r in enumerate(rewards)]
+    rollouts = [FinishedRollout(record=r, calls=[call(name, version)] if i == 0 else []) for i, r in enumerate(records)]
+    return GroupRecord(group_id=name, task=stand_in_task(), rollouts=rollouts)
+
+
+def loop(cfg, learner, pools, metrics, summary, stop=None) -> _Loop:
+    return _Loop(cfg, learner=learner, sync=None, pools=pools, proxy=None, metrics=metrics, summary=summary,
+                 stop=stop or asyncio.Event(), emit=lambda *a: None)
 
 
 def fake_pools():
@@ -39,8 +48,8 @@ class Learner:
     def __init__(self, version: int) -> None:
         self.version, self.step_count, self.trained = version, 0, []
 
-    def step(self, calls, rollouts) -> StepMetrics:
-        self.trained.append([c.rollout_id for c in calls])
+    def step(self, groups: list[GroupRecord]) -> StepMetrics:
+        self.trained.append([c.rollout_id for g in groups for c in g.calls])
         self.step_count += 1
         self.version += 1
         return StepMetrics(step=self.step_count, version=self.version, loss=0.0, pg_loss=0.0, kl=0.0, clip_frac=0.0,
@@ -77,10 +86,10 @@ async def test_stale_groups_are_withheld_and_counted(tmp_path):
     learner = Learner(version=5)
     summary = RunSummary()
     metrics = Metrics()
-    loop = _Loop(cfg, learner, None, fake_pools(), None, None, metrics, summary, asyncio.Event(), lambda *a: None)
-    learn = asyncio.ensure_future(loop._learn())
-    await loop.ready.put(group("too-old", 2))  # learner at version 5: 5 - 2 > 2, stale
-    await loop.ready.put(group("fresh-enough", 3))  # 5 - 3 <= 2
+    runner = loop(cfg, learner, fake_pools(), metrics, summary)
+    learn = asyncio.ensure_future(runner._learn())
+    await runner.ready.put(group("too-old", 2))  # learner at version 5: 5 - 2 > 2, stale
+    await runner.ready.put(group("fresh-enough", 3))  # 5 - 3 <= 2
     await asyncio.wait_for(learn, 30)
     assert learner.trained == [["fresh-enough"]]
     assert summary.groups_withheld == 1 and summary.groups_trained == 1
@@ -93,15 +102,15 @@ async def test_zero_variance_groups_are_passed_over_up_to_the_limit(tmp_path, sk
     cfg = parse_config({"run": {"steps": 1, "groups_per_step": 1, "zero_variance_skips": skips,
                                 "output_dir": str(tmp_path), "checkpoint_every": 100}})
     learner, metrics, summary = Learner(version=0), Metrics(), RunSummary()
-    loop = _Loop(cfg, learner, None, fake_pools(), None, None, metrics, summary, asyncio.Event(), lambda *a: None)
+    runner = loop(cfg, learner, fake_pools(), metrics, summary)
 
     async def feed():
         for g in (group("all-fail", 0, (0.0, 0.0)), group("all-pass", 0, (1.0, 1.0)),
                   group("all-fail-2", 0, (0.0, 0.0)), group("mixed", 0)):
-            await loop.ready.put(g)
+            await runner.ready.put(g)
 
     feeder = asyncio.ensure_future(feed())
-    await asyncio.wait_for(loop._learn(), 30)
+    await asyncio.wait_for(runner._learn(), 30)
     feeder.cancel()
     if skips == 0:  # trained as it came: a step with nothing to learn
         assert learner.trained == [["all-fail"]] and metrics.groups == [(1, "all-fail", "trained")]
@@ -116,8 +125,8 @@ async def test_a_stop_request_ends_the_loop_between_groups(tmp_path):
     cfg = parse_config({"run": {"steps": 3, "groups_per_step": 1, "output_dir": str(tmp_path)}})
     stop = asyncio.Event()
     summary = RunSummary()
-    loop = _Loop(cfg, Learner(version=0), None, None, None, None, Metrics(), summary, stop, lambda *a: None)
-    learn = asyncio.ensure_future(loop._learn())
+    runner = loop(cfg, Learner(version=0), None, Metrics(), summary, stop)
+    learn = asyncio.ensure_future(runner._learn())
     await asyncio.sleep(0)
     stop.set()
     await asyncio.wait_for(learn, 5)

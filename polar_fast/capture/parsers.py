@@ -16,12 +16,13 @@ import re
 from typing import Any, Callable
 
 from polar_fast.conversation import Tool
+from polar_fast.errors import PolarError
 
 ParsedCall = tuple[str, str]  # (name, arguments as JSON object text)
 
 
-class Malformed(ValueError):
-    pass
+class Malformed(PolarError, ValueError):
+    """Tool-call text that does not parse; the parser hands it back as content."""
 
 
 def split_reasoning(text: str) -> tuple[str, str]:

@@ -77,7 +77,7 @@ class Renderer:
         self._cache_lock = threading.Lock()  # encode() runs in worker threads
         self._tools_reach_suffix: dict[bytes, bool] = {}
         self._ends_cache: dict[tuple, int] = {}  # see _ends_through
-        self.skeletons = Skeletons(self)  # exact-history suffixes without Jinja, checked
+        self.skeletons = Skeletons(self.text_after)  # exact-history suffixes without Jinja, checked
 
     def text(self, messages: list[Message], tools: list[Tool], *, generation_prompt: bool) -> str:
         msgs = [template_message(m) for m in messages]

@@ -19,17 +19,22 @@ message in a way neither the probes nor the audited calls show.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from polar_fast.conversation import Message, Tool, ToolCall
-
-if TYPE_CHECKING:
-    from polar_fast.capture.render import Renderer
 
 CHECKED_USES = 2
 AUDIT_EVERY = 64
 _MARK = re.compile("\ue000([ab])(\\d+)\ue001")
 _RETIRED = "retired"
+
+
+class TextAfter(Protocol):
+    """What skeletons learn from and are checked against: `Renderer.text_after` (render.py), the
+    Jinja text after the end-of-turn that closes messages[n_through - 1]."""
+
+    def __call__(self, messages: list[Message], tools: list[Tool], n_through: int, *,
+                 tools_key: bytes | None = None) -> str | None: ...
 
 
 def _marker(tag: str, field: int) -> str:
@@ -91,10 +96,10 @@ def _split(text: str) -> list[str | int]:
 
 class Skeletons:
     """Per renderer (they depend on the template only): `text_after` equals
-    `renderer.text_after(head + [reply] + new, tools, len(head) + 1, tools_key=tools_key)`."""
+    `render_text_after(head + [reply] + new, tools, len(head) + 1, tools_key=tools_key)`."""
 
-    def __init__(self, renderer: Renderer) -> None:
-        self.renderer = renderer
+    def __init__(self, render_text_after: TextAfter) -> None:
+        self.render_text_after = render_text_after
         self._known: dict[tuple, _Skeleton | str] = {}
         self.retired = 0  # skeletons a Jinja render contradicted
         self.served = 0
@@ -103,7 +108,7 @@ class Skeletons:
         self, head: list[Message], reply: Message, new: list[Message], tools: list[Tool], tools_key: bytes
     ) -> str | None:
         def jinja() -> str | None:
-            return self.renderer.text_after([*head, reply, *new], tools, len(head) + 1, tools_key=tools_key)
+            return self.render_text_after([*head, reply, *new], tools, len(head) + 1, tools_key=tools_key)
 
         if tools and not tools_key or any(m.role not in ("user", "tool", "system") or m.tool_calls or m.reasoning for m in new):
             return jinja()
@@ -133,10 +138,10 @@ class Skeletons:
         return text
 
     def _learn(self, head: list[Message], reply: Message, new: list[Message], tools: list[Tool], tools_key: bytes) -> _Skeleton | str:
-        r, n = self.renderer, len(head) + 1
-        first = r.text_after([*head, _stand_in_reply(reply, "a"), *_with_fields(new, lambda f: _marker("a", f))], tools, n, tools_key=tools_key)
+        render, n = self.render_text_after, len(head) + 1
+        first = render([*head, _stand_in_reply(reply, "a"), *_with_fields(new, lambda f: _marker("a", f))], tools, n, tools_key=tools_key)
         probe = _with_fields(new, lambda f: _tricky("b", f))
-        second = r.text_after([*head, _stand_in_reply(reply, "b"), *probe], tools, n, tools_key=tools_key)
+        second = render([*head, _stand_in_reply(reply, "b"), *probe], tools, n, tools_key=tools_key)
         if first is None or second is None:
             return _RETIRED
         skeleton = _Skeleton(_split(first))

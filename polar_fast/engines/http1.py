@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
+from polar_fast.errors import PolarError
+
 # The stream's buffer limit: a longer reply head is an error, and a whole reply (vLLM echoes the
 # prompt: ~1e5-1e6 bytes) fits below 2x it, so reading never pauses and resumes the socket.
 _LIMIT = 4 << 20
 
 
-class HttpError(OSError):
-    """The connection failed or the server's reply could not be read as HTTP/1.1."""
+class HttpError(PolarError, OSError):
+    """The connection failed or the server's reply could not be read as HTTP/1.1. An OSError, so
+    callers that catch connection failures (the pools' infra errors, the vllm engine) catch it."""
 
 
 class Http1Pool:
@@ -84,7 +87,7 @@ class Http1Pool:
         self._idle.clear()
 
 
-class _Stale(Exception):
+class _Stale(PolarError):
     """The connection ended before any byte of the reply."""
 
 

@@ -3,11 +3,12 @@
     CUDA_VISIBLE_DEVICES=4,5,6,7 torchrun --nproc_per_node 4 -m polar_fast --config run.toml
 
 Rank 0 runs everything `app.train` does (tasks, pools, proxy, engine, metrics, checkpoints) plus
-learner rank 0. Ranks > 0 only build the same Learner (FSDP2-sharded, grpo.py) and `follow`.
+learner rank 0. Ranks > 0 only build the same Learner (FSDP2-sharded, grpo.py; the CLI passes
+its builder to `follow`) and follow.
 Every learner call that is collective under FSDP2 is announced by rank 0 with one message on a
 CPU (gloo) control group, then every rank makes the same call with the same data:
 
-    step    (calls, rollouts)  every rank: learner.step(calls, rollouts)
+    step    groups             every rank: learner.step(groups)
     sync                       every rank reads learner.weight_stream(); rank 0 pushes it
     save    directory          every rank: learner.save(directory) (rank 0 writes the file)
     resume  directory          every rank: learner.resume(directory)
@@ -15,7 +16,7 @@ CPU (gloo) control group, then every rank makes the same call with the same data
 
 Rank 0's learner is wrapped in a `Leader` with the Learner's interface, so train.py calls it as
 before. Choices:
-- Messages are msgspec msgpack (CallRecord / RolloutRecord Structs), sent as one bytes object
+- Messages are msgspec msgpack (GroupRecord Structs, rollouts/groups.py), sent as one bytes object
   with `broadcast_object_list`: compact, and no pickle of thousands of small objects.
 - Waiting happens only on the control group, whose timeout is CONTROL_TIMEOUT: followers wait
   there while rollouts run, which can take hours, whereas the default (NCCL) group times out in
@@ -35,16 +36,15 @@ import asyncio
 import os
 import signal
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence
 
 import msgspec
 
 from polar_fast.errors import ConfigError
-from polar_fast.records import CallRecord, RolloutRecord
+from polar_fast.rollouts.groups import GroupRecord
 
 if TYPE_CHECKING:
     from polar_fast.config import Config
-    from polar_fast.grpo import Learner
 
 CONTROL_TIMEOUT = timedelta(days=7)  # a follower's longest wait for rank 0's next message
 
@@ -52,8 +52,22 @@ CONTROL_TIMEOUT = timedelta(days=7)  # a follower's longest wait for rank 0's ne
 class Message(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["step", "sync", "save", "resume", "stop"]
     directory: str = ""
-    calls: list[CallRecord] = []
-    rollouts: list[RolloutRecord] = []
+    groups: list[GroupRecord] = []
+
+
+class Learner(Protocol):
+    """The learner calls the ranks make together (grpo.Learner)."""
+
+    world: int
+    version: int
+
+    def step(self, groups: Sequence[GroupRecord]) -> Any: ...
+
+    def weight_stream(self) -> Any: ...
+
+    def save(self, directory: str) -> str: ...
+
+    def resume(self, directory: str) -> bool: ...
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -124,9 +138,9 @@ class Leader:
     def _send(self, message: Message) -> None:
         _broadcast(message, self._group)
 
-    def step(self, calls: Sequence[CallRecord], rollouts: Sequence[RolloutRecord]):
-        self._send(Message(kind="step", calls=list(calls), rollouts=list(rollouts)))
-        return self.learner.step(calls, rollouts)
+    def step(self, groups: Sequence[GroupRecord]):
+        self._send(Message(kind="step", groups=list(groups)))
+        return self.learner.step(groups)
 
     async def sync_weights(self, sync: Any) -> None:
         """As Learner.sync_weights, with the gathering off the event loop."""
@@ -157,21 +171,19 @@ def stop_followers(learner: Learner | Leader) -> None:
         learner.stop_followers()
 
 
-def follow(cfg: Config) -> int:
-    """Ranks > 0: build the learner as rank 0 does, then make each announced call until `stop`.
-    Returns the number of steps taken."""
-    from polar_fast.grpo import Learner
-
+def follow(cfg: Config, build_learner: Callable[[Config], Learner]) -> int:
+    """Ranks > 0: build the learner as rank 0 does (`build_learner(cfg)`: grpo.Learner.from_config),
+    then make each announced call until `stop`. Returns the number of steps taken."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    learner = Learner.from_config(cfg)
+    learner = build_learner(cfg)
     group = _control_group()
     steps = 0
     while True:
         message = _broadcast(None, group)
         match message.kind:
             case "step":
-                learner.step(message.calls, message.rollouts)
+                learner.step(message.groups)
                 steps += 1
             case "sync":
                 for _ in learner.weight_stream():  # the gathers are the collective part, in rank 0's order

@@ -16,12 +16,13 @@ layout and attention kernel in a process.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from polar_fast import merge
 from polar_fast.errors import PackedForwardError
 from polar_fast.learner.packed_forward import PackedLM, batch_tensors, loss_terms
 from polar_fast.records import CallRecord
@@ -83,14 +84,12 @@ def branchy_calls(vocab: int, seed: int = 0) -> list[CallRecord]:
 
 
 def check(model: nn.Module, layout: str, *, attention: str, device: torch.device | str = "cpu",
-          merge_impl: Any = None) -> None:
+          merge_impl: merge.Impl = "rust") -> None:
     """Raise PackedForwardError unless `layout` trains `model`'s architecture exactly."""
     key = (type(model), tuple(getattr(model.config, "layer_types", None) or ()), layout, attention,
            torch.device(device).type)
     if key in _passed:
         return
-    if merge_impl is None:
-        from polar_fast import merge as merge_impl
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more CPU threads only spin-wait (20x slower on a busy box)
     try:
@@ -100,7 +99,8 @@ def check(model: nn.Module, layout: str, *, attention: str, device: torch.device
     _passed.add(key)
 
 
-def _compare(model: nn.Module, layout: str, attention: str, device: torch.device | str, merge_impl: Any) -> None:
+def _compare(model: nn.Module, layout: str, attention: str, device: torch.device | str,
+             merge_impl: merge.Impl) -> None:
     tiny = tiny_copy(model).to(device)
     tiny.set_attn_implementation("sdpa")  # the reference: plain per-call forwards
     calls = branchy_calls(tiny.config.vocab_size)
@@ -169,16 +169,16 @@ def _per_call(model: nn.Module, calls: list[CallRecord]) -> tuple[list[dict], di
     return layers, logp, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _packed(model: nn.Module, calls: list[CallRecord], layout: str, merge_impl: Any
+def _packed(model: nn.Module, calls: list[CallRecord], layout: str, merge_impl: merge.Impl
             ) -> tuple[list[list], dict, torch.Tensor]:
     """Per layer [(token path, output row)] (a `paths` node repeats), logprobs, flat gradient."""
     device = next(model.parameters()).device
     model.zero_grad()
     wrapper = PackedLM(model)
-    merged = merge_impl.merge(calls, layout=layout)
+    merged = merge.merge(calls, layout=layout, impl=merge_impl)
     layers: list[list] = [[] for _ in model.get_decoder().layers]
     logp, total = {}, 0.0
-    for mb in merge_impl.pack(merged, max_tokens=4096):
+    for mb in merge.pack(merged, max_tokens=4096, impl=merge_impl):
         terms = loss_terms(mb)
         paths: list[tuple] = []
         for q in range(len(mb.tokens)):  # DFS order: a parent comes before its children

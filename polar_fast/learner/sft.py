@@ -1,10 +1,11 @@
 """`python -m polar_fast sft`: supervised fine-tuning on the token rows `export` writes.
 
-    report = run_sft(cfg, "sft/", out_dir="runs/default/sft")   # -> an HF model directory
+    report = run_sft(cfg, "sft/", Learner.from_config, out_dir="runs/default/sft")   # -> an HF model directory
 
 This closes the loop of test-verified traces -> SFT data -> a better starting policy -> RL. The
 rows are `tokens.jsonl` (input_ids + loss_mask: 1 on every token the policy sampled), trained
-with the same packed learner as GRPO (grpo.nll_step_batch, objective "nll"): token-mean
+with the same packed learner as GRPO (grpo.Learner, which the caller passes in as its builder;
+batches.nll_step_batch, objective "nll"): token-mean
 negative log-likelihood over the masked tokens, AdamW, the run's grad clip. The token-mean NLL
 over all rows is measured before and after, so the report says whether the data was learned.
 The result is a plain HF directory (weights + config + tokenizer): `model.path`, `eval
@@ -17,16 +18,27 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 
 from polar_fast.config import Config
 from polar_fast.errors import PolarError
+from polar_fast.learner.batches import StepBatch, nll_step_batch
 
 
 class SftError(PolarError):
     """The SFT data cannot be used (missing, malformed, no trainable token)."""
+
+
+class SftLearner(Protocol):
+    """What fine-tuning uses of the learner (grpo.Learner)."""
+
+    policy: Any  # learner/packed_forward.PackedLM: `.lm` is the HF model saved at the end
+
+    def nll(self, batch: StepBatch) -> float: ...
+
+    def train_step(self, batch: StepBatch, *, objective: Any = ...) -> Any: ...
 
 
 class SftReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,15 +76,15 @@ def read_rows(data: str | Path) -> list[tuple[list[int], list[int]]]:
     return rows
 
 
-def run_sft(cfg: Config, data: str | Path, *, out_dir: str | Path, epochs: int | None = None,
-            lr: float | None = None, emit: Callable[[str, dict], None] | None = None,
-            measure: bool = True) -> SftReport:
-    """Fine-tune cfg.model on the rows of `data`; writes the model to `out_dir`.
+def run_sft(cfg: Config, data: str | Path, build_learner: Callable[[Config], SftLearner], *,
+            out_dir: str | Path, epochs: int | None = None, lr: float | None = None,
+            emit: Callable[[str, dict], None] | None = None, measure: bool = True) -> SftReport:
+    """Fine-tune cfg.model on the rows of `data`; writes the model to `out_dir`. `build_learner`
+    makes the learner from the config with sft's learning rate (grpo.Learner.from_config).
 
     measure=False skips the two extra passes over all rows (a forward each, ~1/3 of an epoch):
     nll_before / nll_after are then the first and last epoch's mean step losses, each step's
     measured before its update."""
-    from polar_fast.grpo import Learner, nll_step_batch
     from polar_fast.model import load_tokenizer
 
     emit = emit or (lambda kind, data: None)
@@ -83,7 +95,7 @@ def run_sft(cfg: Config, data: str | Path, *, out_dir: str | Path, epochs: int |
     rows = read_rows(data)
     started = time.perf_counter()
     learner_cfg = msgspec.structs.replace(cfg.learner, lr=sc.lr if lr is None else lr, kl_coef=0.0)
-    learner = Learner.from_config(msgspec.structs.replace(cfg, learner=learner_cfg))
+    learner = build_learner(msgspec.structs.replace(cfg, learner=learner_cfg))
     packing = {"layout": cfg.merge.layout, "max_tokens": cfg.merge.max_tokens}
     everything = nll_step_batch(rows, **packing)
     before = learner.nll(everything) if measure else float("nan")

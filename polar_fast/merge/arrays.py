@@ -19,17 +19,15 @@ Array contract, shared by `Merged` and `MicroBatch` (T tokens, P sequences, E ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
 
 import msgspec
 import numpy as np
 
-Layout = Literal["tree", "paths"]
+from polar_fast.config import LAYOUTS, Layout
 
-TOKEN_FIELDS = ("tokens", "positions", "parent", "size", "loss_mask", "logprobs", "versions",
-                 "rollout", "node")
-EXTRA_FIELDS = ("extra_index", "extra_rollout", "extra_logprob", "extra_version")
+__all__ = ["ARRAY_FIELDS", "EXTRA_FIELDS", "LAYOUTS", "TOKEN_FIELDS", "Layout", "MergeStats", "Merged",
+           "MicroBatch", "PackPlan", "TokenArrays", "gather"]
 
 
 class MergeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +74,13 @@ class TokenArrays:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+# The array names, defined once by TokenArrays above, in the order the Rust extension returns
+# them (tests/test_merge_stub_and_bench.py checks lib.rs and _native.pyi against these).
+ARRAY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TokenArrays))
+TOKEN_FIELDS = ARRAY_FIELDS[: ARRAY_FIELDS.index("offsets")]  # one entry per token (T,)
+EXTRA_FIELDS = tuple(name for name in ARRAY_FIELDS if name.startswith("extra_"))  # one per extra sample (E,)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

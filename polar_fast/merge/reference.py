@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from polar_fast.errors import MergeError
-from polar_fast.merge.arrays import Merged, MergeStats, MicroBatch, PackPlan, gather
+from polar_fast.merge.arrays import LAYOUTS, Merged, MergeStats, MicroBatch, PackPlan, gather
 
 CAUSES = ("extend", "new_root", "in_completion", "in_prompt", "completion_fork", "duplicate")
 
@@ -56,7 +56,7 @@ class _Node:
 
 
 def merge(calls: Sequence[Any], *, layout: str = "tree") -> Merged:
-    if layout not in ("tree", "paths"):
+    if layout not in LAYOUTS:
         raise MergeError(f"layout must be 'tree' or 'paths', not {layout!r}")
     nodes: list[_Node] = []
     roots: dict[int, int] = {}

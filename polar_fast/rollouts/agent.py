@@ -10,8 +10,9 @@ in its sandbox, pointed at that session.
 The harness bundle (Node + npm CLI, or mini-swe-agent's site dir) is mounted read-only. In a
 Docker box with `network = "none"` the proxy's Unix socket is mounted and a forwarder inside
 answers on loopback; with host networking or the local sandbox the harness reaches the proxy's
-TCP port directly. The session is closed when the run ends; its calls are kept here until the
-training loop takes the finished group (`take_calls`).
+TCP port directly. The session is closed when the run ends, and its calls go into the `calls`
+list the pools passed in (also when the pools' hard timeout cancels the run), so they travel with
+the rollout in its group's record (rollouts/groups.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ class AgentRunner(Protocol):
 
     def spec(self, task: Task, rollout_id: str) -> SandboxSpec: ...
 
-    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult: ...
+    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float,
+                  calls: list[CallRecord]) -> AgentResult:
+        """Run the agent on `task` in `box`; append the model calls it made to `calls` (the list
+        outlives a run the pools cancel at their hard timeout)."""
+        ...
 
 
 class CommandAgent:
@@ -68,7 +73,8 @@ class CommandAgent:
     def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
         return SandboxSpec(name=rollout_id, image=task.image)
 
-    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
+    async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float,
+                  calls: list[CallRecord]) -> AgentResult:
         script = self.script(task) if callable(self.script) else self.script
         env = {"POLAR_ROLLOUT_ID": rollout_id, "POLAR_GROUP_ID": group_id}
         done = await box.exec(["sh", "-c", script], env=env, cwd=box.workdir, timeout_s=timeout_s)
@@ -87,16 +93,6 @@ class HarnessAgent:
         self.max_steps = max_steps
         self.use_socket = use_socket and bool(proxy.unix_socket)
         self.mount = Mount(source=str(bundle), target=f"{BUNDLE_MOUNT}/{harness.name}", read_only=True)
-        self._calls: dict[str, list[CallRecord]] = {}  # rollout id -> its captured calls, until taken
-
-    def take_calls(self, rollout_ids: list[str], group_id: str) -> list[CallRecord]:
-        """The calls of a finished group's final rollouts, in rollout order. Calls of attempts
-        that hit an infra error (other ids of the same group) are dropped here; they stay in the
-        record log."""
-        calls = [c for rid in rollout_ids for c in self._calls.pop(rid, [])]
-        for rid in [r for r in self._calls if r.startswith(f"{group_id}-")]:
-            del self._calls[rid]
-        return calls
 
     def spec(self, task: Task, rollout_id: str) -> SandboxSpec:
         if self.use_socket:
@@ -105,7 +101,8 @@ class HarnessAgent:
         port = int(self.proxy.base_url.rsplit(":", 1)[1])
         return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount], proxy_port=port)
 
-    async def run(self, box, task: Task, *, rollout_id: str, group_id: str, timeout_s: float) -> AgentResult:
+    async def run(self, box, task: Task, *, rollout_id: str, group_id: str, timeout_s: float,
+                  calls: list[CallRecord]) -> AgentResult:
         session = self.proxy.new_session(rollout_id, group_id,
                                          format_error_markers=getattr(self.harness, "format_error_markers", ()))
         try:
@@ -120,7 +117,7 @@ class HarnessAgent:
             self.proxy.close_session(session.token)  # late requests now get 401
             # shielded: a rollout cut off at the pools' hard timeout keeps the calls it made
             with anyio.CancelScope(shield=True):
-                self._calls[rollout_id] = await asyncio.to_thread(session.records)
+                calls.extend(await asyncio.to_thread(session.records))
         output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
         failed = result.exit_code != 0 or result.timed_out
         infra = ""

@@ -42,8 +42,8 @@ import random
 import shlex
 from pathlib import Path
 
-from polar_fast.rollouts.family_kinds import EVAL_SIDE, KINDS, TRAIN_SIDE, TRANSFER_KINDS, VALIDATION_SIDE, Generated, Side
-from polar_fast.rollouts.tasks import Task, TaskError, parse_task, snapshot_commit
+from polar_fast.rollouts.family_kinds import EVAL_SIDE, KINDS, TRAIN_SIDE, TRANSFER_KINDS, VALIDATION_SIDE, Side
+from polar_fast.rollouts.task_rows import Task, TaskError, parse_task, snapshot_commit
 
 FAMILIES = tuple(k for k in KINDS if k not in TRANSFER_KINDS)  # the ones a run may train on
 TRANSFER_FAMILIES = TRANSFER_KINDS

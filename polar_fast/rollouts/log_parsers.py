@@ -150,14 +150,42 @@ def parse_sympy(log: str) -> dict[str, str]:
     return out
 
 
-def parse_default(log: str) -> dict[str, str]:
-    from polar_fast.rollouts.reward import parse_test_output
+# The default reading: pytest (`-rA` summary lines and `-v` lines) and stdlib unittest `-v` (Python
+# 3.11 prints `test_x (pkg.mod.Class.test_x) ... ok`; older ones omit the method name, which is
+# added back), so ids look like `tests/test_a.py::test_x` or `pkg.mod.Class.test_x`.
+_DEFAULT_PYTEST_WORDS = {"PASSED": PASSED, "XPASS": PASSED, "FAILED": FAILED, "ERROR": ERROR,
+                         "SKIPPED": SKIPPED, "XFAIL": SKIPPED}
+_PYTEST_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+?)(?: - .*)?$", re.M)
+_PYTEST_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+_UNITTEST = re.compile(
+    r"^(\w+) \(([\w.]+)\)(?:\n[^\n]*?)? \.\.\. (ok|FAIL|ERROR|skipped|expected failure|unexpected success)",
+    re.M,
+)
+_UNITTEST_WORDS = {"ok": PASSED, "unexpected success": FAILED, "FAIL": FAILED, "ERROR": ERROR,
+                   "skipped": SKIPPED, "expected failure": SKIPPED}
+_RANK = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}  # a test reported twice keeps its worst status
 
-    return parse_test_output(log)
+
+def parse_test_output(text: str) -> dict[str, str]:
+    """The default reading (above); a test reported twice keeps its worst status."""
+    statuses: dict[str, str] = {}
+
+    def put(test: str, status: str) -> None:
+        if test not in statuses or _RANK[status] > _RANK[statuses[test]]:
+            statuses[test] = status
+
+    for word, test in _PYTEST_SUMMARY.findall(text):
+        put(test, _DEFAULT_PYTEST_WORDS[word])
+    for test, word in _PYTEST_VERBOSE.findall(text):
+        put(test, _DEFAULT_PYTEST_WORDS[word])
+    for method, where, word in _UNITTEST.findall(text):
+        test = where if where.endswith("." + method) else f"{where}.{method}"
+        put(test, _UNITTEST_WORDS[word])
+    return statuses
 
 
 PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
-    "default": parse_default,
+    "default": parse_test_output,
     "pytest": parse_pytest,
     "pytest_options": parse_pytest_options,
     "pytest_v2": parse_pytest_v2,

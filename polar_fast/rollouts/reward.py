@@ -9,32 +9,15 @@ gives reward 0 with the reason in `error`. Sandbox failures propagate as Sandbox
 caller can retry them as infra errors instead of scoring them.
 
 The log is read by the task's `log_parser` (log_parsers.py: SWE-bench's per-repo readings for
-published tasks). The default reading, `parse_test_output` below, covers pytest (`-rA` summary lines and `-v` lines) and stdlib unittest `-v`
-(Python 3.11 prints `test_x (pkg.mod.Class.test_x) ... ok`; older ones omit the method name,
-which is added back), so ids look like `tests/test_a.py::test_x` or `pkg.mod.Class.test_x`.
+published tasks, and the default reading, `parse_test_output`, for the rest).
 """
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 
-from polar_fast.rollouts.log_parsers import parse_log
+from polar_fast.rollouts.log_parsers import PASSED, parse_log
 from polar_fast.rollouts.tasks import Task, prepare_repo
-
-PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
-_PYTEST_WORDS = {"PASSED": PASSED, "XPASS": PASSED, "FAILED": FAILED, "ERROR": ERROR,
-                 "SKIPPED": SKIPPED, "XFAIL": SKIPPED}
-_PYTEST_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+?)(?: - .*)?$", re.M)
-_PYTEST_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
-_UNITTEST = re.compile(
-    r"^(\w+) \(([\w.]+)\)(?:\n[^\n]*?)? \.\.\. (ok|FAIL|ERROR|skipped|expected failure|unexpected success)",
-    re.M,
-)
-_UNITTEST_WORDS = {"ok": PASSED, "unexpected success": FAILED, "FAIL": FAILED, "ERROR": ERROR,
-                   "skipped": SKIPPED, "expected failure": SKIPPED}
-_RANK = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}  # a test reported twice keeps its worst status
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,23 +28,6 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     timed_out: bool = False
     output_tail: str = ""  # the end of the test command's output, for logs
     duration_s: float = 0.0
-
-
-def parse_test_output(text: str) -> dict[str, str]:
-    statuses: dict[str, str] = {}
-
-    def put(test: str, status: str) -> None:
-        if test not in statuses or _RANK[status] > _RANK[statuses[test]]:
-            statuses[test] = status
-
-    for word, test in _PYTEST_SUMMARY.findall(text):
-        put(test, _PYTEST_WORDS[word])
-    for test, word in _PYTEST_VERBOSE.findall(text):
-        put(test, _PYTEST_WORDS[word])
-    for method, where, word in _UNITTEST.findall(text):
-        test = where if where.endswith("." + method) else f"{where}.{method}"
-        put(test, _UNITTEST_WORDS[word])
-    return statuses
 
 
 def score(task: Task, statuses: dict[str, str], mode: str = "binary") -> tuple[float, list[str]]:

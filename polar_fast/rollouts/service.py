@@ -1,8 +1,8 @@
 """The rollout service: polar_fast as the rollout generator of an external trainer.
 
 One process runs the pools, the harness agents, the capture proxy and the engine, exactly as a
-training run does (rollouts/stack.py), and answers a small HTTP API on its own port
-(`[rollout_service] host/port`), apart from the proxy: the proxy faces harnesses in sandboxes,
+training run does (rollouts/stack.py; serve.py starts it), and answers a small HTTP API on its own
+port (`[rollout_service] host/port`), apart from the proxy: the proxy faces harnesses in sandboxes,
 this faces a trainer, behind its own key (`api_key`, Bearer or x-api-key; required off loopback).
 
     POST /rollouts/groups             {"task": <SWE-bench row> | "<builtin instance_id>",
@@ -32,31 +32,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import math
 import secrets
 import struct
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterable, Awaitable, Callable, Protocol
 
 import anyio
 import msgspec
 from aiohttp import web
 
-from polar_fast.config import Config, RolloutServiceConfig
-from polar_fast.errors import ConfigError
-from polar_fast.merge.arrays import EXTRA_FIELDS, TOKEN_FIELDS, Merged
-from polar_fast.pools import GroupSpec, Pools, RolloutGroup
-from polar_fast.records import CallRecord, Record, RolloutRecord
+from polar_fast.config import RolloutServiceConfig
+from polar_fast.errors import PolarError
+from polar_fast.merge.arrays import ARRAY_FIELDS, Merged
+from polar_fast.records import Record, RolloutRecord
+from polar_fast.rollouts.groups import GroupRecord, GroupSpec
 from polar_fast.rollouts.tasks import Task, TaskError, parse_task
-from polar_fast.signals import StopSignal
 
 FRAME_HEADER = struct.Struct("<I")
 MAX_GROUP_SIZE = 1024
-ARRAY_FIELDS = TOKEN_FIELDS + ("offsets",) + EXTRA_FIELDS
 
 
 class _Submit(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,16 +76,18 @@ class _Group:
     batch: bytes = b""
 
 
-class ServiceError(Exception):
+class ServiceError(PolarError):
+    """A request the service refuses; answered with `status` and the message."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
 
 
-def encode_batch(group: RolloutGroup, merged: Merged, seq: int) -> bytes:
+def encode_batch(group: GroupRecord, merged: Merged, seq: int) -> bytes:
     """The msgpack batch of one finished group (format in the module docstring)."""
-    rewards = {r.rollout_id: r.reward for r in group.rollouts}
+    rewards = {r.rollout_id: r.reward for r in group.records}
     arrays = {}
     for name in ARRAY_FIELDS:
         a = getattr(merged, name)
@@ -98,7 +95,7 @@ def encode_batch(group: RolloutGroup, merged: Merged, seq: int) -> bytes:
     return msgspec.msgpack.encode({
         "group_id": group.group_id, "task_id": group.task.instance_id, "seq": seq, "layout": merged.layout,
         "rollout_ids": merged.rollout_ids, "rewards": [rewards.get(rid) for rid in merged.rollout_ids],
-        "rollouts": group.rollouts, "stats": merged.stats, "arrays": arrays,
+        "rollouts": group.records, "stats": merged.stats, "arrays": arrays,
     })
 
 
@@ -112,21 +109,26 @@ def decode_batch(data: bytes) -> dict[str, Any]:
     return batch
 
 
+class GroupRunner(Protocol):
+    """What the service runs the submitted groups on: pools.Pools."""
+
+    async def run(self, tasks: AsyncIterable[GroupSpec], on_group: Callable[[GroupRecord], Awaitable[None]]) -> None: ...
+
+    def statistics(self) -> Any: ...
+
+
 class RolloutService:
     """Submitted groups -> the pools' task source; finished groups -> merged, encoded batches.
 
-    `take_calls(rollout_ids, group_id)` hands over a finished group's captured calls (the harness
-    agent's); `record` appends a record to the run's log (the proxy's recorder)."""
+    `record` appends a record to the run's log (the proxy's recorder)."""
 
     def __init__(self, cfg: RolloutServiceConfig, *, default_group_size: int,
-                 take_calls: Callable[[list[str], str], list[CallRecord]],
                  record: Callable[[Record], Awaitable[None]], builtin: dict[str, Task] | None = None) -> None:
         self.cfg = cfg
         self.default_group_size = default_group_size
-        self.take_calls = take_calls
         self.record = record
         self.builtin = builtin or {}
-        self.pools: Pools | None = None
+        self.pools: GroupRunner | None = None
         self._send, self._receive = anyio.create_memory_object_stream[GroupSpec](math.inf)  # bounded below
         self._groups: dict[str, _Group] = {}
         self._finished: collections.deque[_Group] = collections.deque()
@@ -160,12 +162,11 @@ class RolloutService:
                                     f"{self.cfg.keep_groups} newer groups finished)")
         return group
 
-    async def on_group(self, done: RolloutGroup) -> None:
+    async def on_group(self, done: GroupRecord) -> None:
         """The pools' callback: log the rollouts, merge the calls, keep the encoded batch."""
         from polar_fast.merge import merge
 
-        calls = self.take_calls([r.rollout_id for r in done.rollouts], done.group_id)
-        for rollout in done.rollouts:
+        for rollout in done.records:
             await self.record(rollout)
         group = self._groups.get(done.group_id)
         if group is None:  # not submitted here: cannot happen with this service's task source
@@ -174,11 +175,11 @@ class RolloutService:
         self._next_seq += 1
 
         def build() -> bytes:  # merge (GIL released) and encode off the event loop
-            return encode_batch(done, merge(calls, layout=self.cfg.layout), seq)
+            return encode_batch(done, merge(done.calls, layout=self.cfg.layout), seq)
 
         group.batch = await asyncio.to_thread(build)
         group.status.status, group.status.seq = "done", seq
-        group.status.finished_at, group.status.rollouts = time.time(), list(done.rollouts)
+        group.status.finished_at, group.status.rollouts = time.time(), done.records
         self._pending -= 1
         self._finished.append(group)
         while len(self._finished) > self.cfg.keep_groups:
@@ -193,7 +194,7 @@ class RolloutService:
     def finished_after(self, seq: int) -> list[_Group]:
         return [g for g in self._finished if g.status.seq > seq]
 
-    async def run(self, pools: Pools) -> None:
+    async def run(self, pools: GroupRunner) -> None:
         """Run the pools on the submitted groups until `close()` and every pending group is done
         (or until cancelled: in-flight rollouts are abandoned and their sandboxes removed)."""
         self.pools = pools
@@ -293,63 +294,3 @@ class RolloutService:
 
 def _json(value: Any, *, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(value), status=status, content_type="application/json")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-# ------------------------------------------------------------------------------------ the process
-
-
-@dataclass(eq=False)
-class RunningService:
-    service: RolloutService
-    url: str  # http://HOST:PORT of the service API
-    rollouts: Any  # rollouts.Rollouts: proxy, engine, agent, factory
-
-
-@asynccontextmanager
-async def open_rollout_service(cfg: Config, *, host: str | None = None,
-                               port: int | None = None) -> AsyncIterator[RunningService]:
-    """Engine, proxy, pools and the service API, for the life of the block. On exit the service
-    stops taking groups, open streams end, and in-flight rollouts are abandoned (sandboxes removed)."""
-    from polar_fast.rollouts.stack import open_rollouts
-    from polar_fast.rollouts.tasks import load_builtin
-
-    sc = msgspec.structs.replace(cfg.rollout_service, host=host or cfg.rollout_service.host,
-                                 port=cfg.rollout_service.port if port is None else port)
-    if not _is_loopback(sc.host) and not sc.api_key:
-        raise ConfigError(f"rollout_service.host={sc.host!r} listens beyond loopback: set rollout_service.api_key")
-    run_dir = Path(cfg.run.output_dir)
-    await asyncio.to_thread(run_dir.mkdir, parents=True, exist_ok=True)
-    builtin = {t.instance_id: t for t in await asyncio.to_thread(load_builtin)}
-    async with open_rollouts(cfg, run_dir) as r:
-        service = RolloutService(sc, default_group_size=cfg.pools.group_size, take_calls=r.agent.take_calls,
-                                 record=r.proxy.record, builtin=builtin)
-        runner = web.AppRunner(service.make_app(), handle_signals=False, access_log=None)
-        async with asyncio.TaskGroup() as tg:
-            pools = tg.create_task(service.run(r.pools()))
-            try:
-                await runner.setup()
-                site = web.TCPSite(runner, sc.host, sc.port)
-                await site.start()
-                bound = site._server.sockets[0].getsockname()[1]  # the real port when port == 0
-                yield RunningService(service, f"http://{f'[{sc.host}]' if ':' in sc.host else sc.host}:{bound}", r)
-            finally:
-                service.close()
-                pools.cancel()
-                await runner.cleanup()
-
-
-async def serve_rollouts(cfg: Config, *, host: str | None = None, port: int | None = None) -> None:
-    """Run the service until SIGINT/SIGTERM (the CLI's entry point)."""
-    with StopSignal() as stop:
-        async with open_rollout_service(cfg, host=host, port=port) as running:
-            print(f"polar_fast rollout service on {running.url}  (proxy {running.rollouts.proxy.base_url}, "
-                  f"harness {cfg.harness.name}, engine {cfg.engine.kind})", flush=True)
-            print(f"submit: curl -X POST {running.url}/rollouts/groups -d '{{\"task\": \"<builtin id>\"}}'", flush=True)
-            await stop.event.wait()

@@ -2,10 +2,10 @@
 factory, record log, capture proxy and the harness agent that points each rollout at its session.
 
     async with open_rollouts(cfg, run_dir, emit=emit) as r:
-        await r.pools().run(tasks, on_group)
+        await Pools.for_rollouts(r).run(tasks, on_group)   # pools.py runs rollouts on it
 
-The training run adds a learner on top of this; the rollout service (rollouts/service.py) adds an
-HTTP API for external trainers. Teardown runs in reverse order of setup, and only for what was
+The training run adds a learner on top of this; the rollout service (serve.py, rollouts/service.py)
+adds an HTTP API for external trainers. Teardown runs in reverse order of setup, and only for what was
 set up: the proxy stops (queued records written), then the log, engine and sandbox factory close,
 and last a `vllm serve` the block started (engines/vllm_launch.py) is stopped.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import secrets
 import tempfile
@@ -27,12 +26,10 @@ import msgspec
 
 from polar_fast.config import Config, engine_config
 from polar_fast.engines import Engine
-from polar_fast.pools import Pools
 from polar_fast.proxy import Proxy
 from polar_fast.records import RecordLog
 from polar_fast.rollouts.agent import HarnessAgent
 from polar_fast.rollouts.harnesses import ModelLimits
-from polar_fast.rollouts.reward import evaluate
 
 SOCKET_DIR_PREFIX = "polar-proxy-"
 
@@ -73,14 +70,6 @@ class Rollouts:
     log: RecordLog
     run_id: str
     leftovers_removed: int  # sandboxes of an earlier, killed process on this run id
-
-    def pools(self, *, group_size: int | None = None, **options: Any) -> Pools:
-        """group_size: per group (evaluation samples); options: Pools' keywords
-        (max_groups_in_flight, partial_group_after_s, on_late)."""
-        cfg = self.cfg.pools if group_size is None else msgspec.structs.replace(self.cfg.pools, group_size=group_size)
-        mode = self.cfg.tasks.reward
-        score = evaluate if mode == "binary" else functools.partial(evaluate, mode=mode)
-        return Pools(cfg, self.factory, self.agent, agent_timeout_s=self.cfg.harness.timeout_s, score=score, **options)
 
 
 @asynccontextmanager

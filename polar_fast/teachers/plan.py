@@ -18,10 +18,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from polar_fast.errors import PolarError
 from polar_fast.rollouts.tasks import Task
 
 
-class PlanError(ValueError):
+class PlanError(PolarError, ValueError):
     """The task's patch is not one a teacher can demonstrate (missing, ambiguous, binary)."""
 
 

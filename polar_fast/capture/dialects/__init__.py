@@ -1,9 +1,11 @@
-"""What the dialects share: the error they raise, the step-wise parse (Fold), reply metadata and
-wire helpers. The canonical conversation they translate to lives in polar_fast/conversation.py.
+"""The dialects: their contract (`Dialect`), what they share (the error they raise, the step-wise
+parse `Fold`, reply metadata, wire helpers) and the three of them by name (`DIALECTS`). The
+canonical conversation they translate to lives in polar_fast/conversation.py.
 
-A dialect module (chat, responses, anthropic) is pure: bytes in, canonical structs out, and a
-canonical `Completion` back to reply bytes or SSE frames. No aiohttp, I/O or clock: ids and
-timestamps arrive in `ReplyMeta`. Each module exposes
+A dialect module (chat_completions.py, responses.py, anthropic.py) is pure: bytes in, canonical
+structs out, and a canonical `Completion` back to reply bytes or SSE frames. No aiohttp, I/O or
+clock: ids and timestamps arrive in `ReplyMeta`. Each module satisfies the `Dialect` Protocol
+below, checked by mypy over this package (tests/test_dialects_golden.py):
 
     NAME: str
     parse(body: bytes) -> Conversation            # raises DialectError (400) on bad input
@@ -19,11 +21,12 @@ content parts are joined with newlines); images and documents are rejected with 
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, Protocol, cast
 
 import msgspec
 
-from polar_fast.conversation import Message
+from polar_fast.conversation import Completion, Conversation, Message
+from polar_fast.errors import PolarError
 
 ErrorKind = Literal[
     "invalid_request", "authentication", "not_found", "too_large", "context_length", "engine", "timeout", "internal"
@@ -68,8 +71,9 @@ class Fold:
         """A copy as it stood after its first k items; this one is left unchanged."""
         n, last, state = self.marks[k]
         fold = copy.copy(self)
-        # only the last message can be amended by a later item (a merged assistant turn)
-        fold.messages = [*self.messages[: n - 1], last] if n else []
+        # only the last message can be amended by a later item (a merged assistant turn); a mark
+        # taken after n > 0 messages holds the last of them
+        fold.messages = [*self.messages[: n - 1], cast(Message, last)] if n else []
         fold.marks = self.marks[: k + 1]
         fold._restore(state)
         return fold
@@ -95,7 +99,7 @@ def fold_items(fold: Fold, items: Any, first: int = 0) -> Fold:
     return fold
 
 
-class DialectError(Exception):
+class DialectError(PolarError):
     """Bad input from the caller, answered in its dialect with `status`."""
 
     def __init__(self, message: str, *, status: int = 400, kind: ErrorKind = "invalid_request") -> None:
@@ -148,3 +152,57 @@ def openai_error(kind: str, message: str, *, server_type: str) -> bytes:
     return msgspec.json.encode(
         {"error": {"message": message, "type": type_ or server_type, "param": None, "code": code}}
     )
+
+
+# --------------------------------------------------------------------------------- the contract
+
+
+class Dialect(Protocol):
+    """One wire format, as the proxy and the incremental parser use it. The members are module
+    attributes and functions of each dialect module (mypy checks a module against a Protocol)."""
+
+    @property
+    def NAME(self) -> str: ...  # the record's `dialect`, and the key in DIALECTS
+
+    @property
+    def ITEMS(self) -> str: ...  # top-level key of the request's conversation items
+
+    @property
+    def ITEM(self) -> type: ...  # msgspec type of one item
+
+    @property
+    def REQUEST(self) -> type: ...  # msgspec type of a request (its items decoded too)
+
+    def parse(self, body: bytes) -> Conversation:
+        """The request's canonical conversation; DialectError on bad input."""
+
+    def parse_fold(self, body: bytes) -> tuple[Conversation, Fold]:
+        """`parse`, and the fold that produced its messages (kept to resume later requests)."""
+
+    def start(self, req: Any) -> Fold:
+        """An empty fold for a decoded REQUEST: its messages before the first item."""
+
+    def finish(self, req: Any, fold: Fold) -> Conversation:
+        """The conversation of a decoded REQUEST whose items `fold` has taken."""
+
+    def extend(self, conv: Conversation, fold: Fold) -> Conversation:
+        """`conv` with the messages of `fold`: a request that changed only its items."""
+
+    def reply(self, c: Completion, meta: ReplyMeta) -> bytes:
+        """The non-streamed JSON reply."""
+
+    def stream(self, c: Completion, meta: ReplyMeta, *, include_usage: bool = False) -> Iterator[bytes]:
+        """The reply as SSE frames, in the order the real server sends them."""
+
+    def error(self, status: int, kind: str, message: str) -> bytes:
+        """The dialect's error object."""
+
+
+# The family's name -> dialect map, imported after the definitions above, which the modules use.
+from polar_fast.capture.dialects import anthropic, chat_completions, responses  # noqa: E402
+
+DIALECTS: dict[str, Dialect] = {
+    chat_completions.NAME: chat_completions,
+    responses.NAME: responses,
+    anthropic.NAME: anthropic,
+}

@@ -17,12 +17,12 @@ Code puts first in `system` (its hash changes with the conversation), so it is d
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import msgspec
 
 from polar_fast.capture.dialects import DialectError, Fold, ReplyMeta, decode, fold_items, json_text, reject_media, sse
-from polar_fast.conversation import Completion, Conversation, Message, Tool, ToolCall
+from polar_fast.conversation import Completion, Conversation, Message, Role, Tool, ToolCall
 
 NAME = "anthropic"
 
@@ -118,7 +118,7 @@ def _turn(i: int, m: _MessageIn, defs: _Defs) -> list[Message]:
     if m.role not in ("user", "assistant", "system"):
         raise DialectError(f"{where}.role {m.role!r} is not one of user, assistant")
     if isinstance(m.content, str):
-        return [Message(role=m.role, content=m.content)]
+        return [Message(role=cast(Role, m.role), content=m.content)]
     if m.role == "assistant":
         texts, reasoning, calls = [], [], []
         for j, b in enumerate(m.content):
@@ -147,7 +147,7 @@ def _turn(i: int, m: _MessageIn, defs: _Defs) -> list[Message]:
             texts.append(_text([b], f"{where}.content[{j}]"))
     out = results
     if texts or not results:
-        out.append(Message(role=m.role, content="\n".join(texts)))
+        out.append(Message(role=cast(Role, m.role), content="\n".join(texts)))
     return out
 
 
@@ -177,7 +177,9 @@ def start(req: _Request | _CountRequest) -> Fold:
 
 
 def _tools(req: _Request | _CountRequest) -> list[Tool]:
-    return [Tool(name=t.name, description=t.description or "", parameters=t.input_schema) for t in _offered(req) if not t.defer_loading]
+    # a tool without input_schema keeps None as its parameters, as it always has (typed as a dict)
+    return [Tool(name=t.name, description=t.description or "", parameters=cast(dict, t.input_schema))
+            for t in _offered(req) if not t.defer_loading]
 
 
 def parse(body: bytes) -> Conversation:
@@ -281,8 +283,8 @@ def stream(c: Completion, meta: ReplyMeta, **_: Any) -> Iterator[bytes]:
                 delta = {"type": "input_json_delta", "partial_json": json_text(block["input"])}
                 yield event("content_block_delta", index=index, delta=delta)
         yield event("content_block_stop", index=index)
-    delta = {"stop_reason": _STOP[c.finish_reason], "stop_sequence": None}
-    yield event("message_delta", delta=delta, usage=_usage(c.prompt_tokens, c.completion_tokens))
+    stop: dict[str, Any] = {"stop_reason": _STOP[c.finish_reason], "stop_sequence": None}
+    yield event("message_delta", delta=stop, usage=_usage(c.prompt_tokens, c.completion_tokens))
     yield event("message_stop")
 
 

@@ -21,11 +21,10 @@ matching compares them by identity.
 from __future__ import annotations
 
 from bisect import bisect_right
-from types import ModuleType
 
 import msgspec
 
-from polar_fast.capture.dialects import DialectError, Fold, fold_items
+from polar_fast.capture.dialects import Dialect, DialectError, Fold, fold_items
 from polar_fast.conversation import Conversation
 from polar_fast.wire import common_prefix_len, json_array_items, json_value_span
 
@@ -45,7 +44,7 @@ class IncrementalParser:
     """`parse(body)` equals `dialect.parse(body)`, at the cost of the new items only when the
     body extends one of the last few it parsed."""
 
-    def __init__(self, dialect: ModuleType) -> None:
+    def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
         self._item_list = list[dialect.ITEM]  # type: ignore[name-defined]
         self._recent: list[_Parsed] = []
@@ -83,7 +82,7 @@ class IncrementalParser:
     def _scan(self, body: bytes, conv: Conversation, fold: Fold) -> _Parsed | None:
         span = json_value_span(body, self.dialect.ITEMS)
         scanned = json_array_items(body, span[0]) if span is not None else None
-        if scanned is None:  # e.g. responses `input` as a plain string
+        if span is None or scanned is None:  # e.g. responses `input` as a plain string
             return None
         spans, close = scanned
         if len(spans) != fold.n_items:  # cannot happen for a body msgspec decoded; never guess
@@ -109,7 +108,7 @@ class IncrementalParser:
                 rest = body[: last.open] + b"[]" + body[close + 1 :]
                 if json_value_span(rest, self.dialect.ITEMS) != (last.open, last.open + 2):
                     return None  # the key again further on: a decoder would take that one
-                req = msgspec.json.decode(rest, type=self.dialect.REQUEST)
+                req: object = msgspec.json.decode(rest, type=self.dialect.REQUEST)
                 if self.dialect.start(req).context() != fold.context():
                     return None  # e.g. a new system prompt: what the items convert to may differ
                 fold_items(fold, items, k)

@@ -13,7 +13,7 @@ Every event carries `type` and a `sequence_number`.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import msgspec
 
@@ -27,7 +27,7 @@ from polar_fast.capture.dialects import (
     reject_media,
     sse,
 )
-from polar_fast.conversation import Completion, Conversation, Message, Tool, ToolCall
+from polar_fast.conversation import Completion, Conversation, Message, Role, Tool, ToolCall
 
 NAME = "responses"
 
@@ -117,7 +117,7 @@ class _Fold(Fold):
                     prev = self._assistant()
                     self.messages.append(msgspec.structs.replace(prev, content=prev.content + text))
                 else:
-                    self.messages.append(Message(role=role, content=text))
+                    self.messages.append(Message(role=cast(Role, role), content=text))
             case "function_call" | "custom_tool_call":
                 if not item.call_id or item.name is None:
                     raise DialectError(f"{where}: a {item.type} needs call_id and name")

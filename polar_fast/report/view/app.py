@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from polar_fast.config import LAYOUTS
 from polar_fast.report.view.run_data import RolloutRow, RunData
 
 STATIC = Path(__file__).with_name("static")
@@ -207,8 +208,8 @@ async def api_tokens(request: web.Request) -> web.Response:
 
     data, rec = await _rollout(request)
     layout = request.query.get("layout") or _run_setting(data, "merge", "layout", "tree")
-    if layout not in ("tree", "paths"):
-        raise web.HTTPBadRequest(reason=f"layout must be tree or paths, not {layout!r}")
+    if layout not in LAYOUTS:
+        raise web.HTTPBadRequest(reason=f"layout must be {' or '.join(LAYOUTS)}, not {layout!r}")
     tokenizer = await asyncio.to_thread(load_tokenizer, _run_setting(data, "model", "path", ""))
     view = await asyncio.to_thread(token_view, rec.calls, layout=layout, tokenizer=tokenizer)
     return web.json_response(view)

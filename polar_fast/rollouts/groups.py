@@ -1,0 +1,63 @@
+"""A group of rollouts of one task: what the pools run (`GroupSpec`) and what a finished group is
+(`GroupRecord`).
+
+A GroupRecord is built once, where the group's last rollout ends (pools.py hands it to
+`on_group`): the task, and per rollout, in rollout order, its record, the calls it made (capture
+order, each with its whole prompt), and for a scored rollout its diff and test results. It then
+travels unchanged: the train loop logs its rollouts and queues it (train.py), the learner merges
+each group's calls and spreads each rollout's advantage over them (grpo.build_step_batch), and the
+rollout service encodes it as a batch (service.py).
+
+Only the final attempt of a rollout is in the record: calls captured during an attempt that hit an
+infra error and was retried stay in the record log, never in the group.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from polar_fast.records import CallRecord, RolloutRecord
+from polar_fast.rollouts.reward import EvalResult
+from polar_fast.rollouts.tasks import Task
+
+
+class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One group to run, with its id and size chosen by the caller (a plain Task gets
+    `<instance_id>-g<n>` and `pools.group_size`)."""
+
+    task: Task
+    group_id: str
+    group_size: int
+
+
+class FinishedRollout(msgspec.Struct, frozen=True, kw_only=True):
+    """One rollout as it ended."""
+
+    record: RolloutRecord  # outcome and reward (None for an infra error), as written to the log
+    calls: list[CallRecord] = []  # the model calls it made, in capture order, whole prompts
+    diff: str = ""  # the agent's diff (rollouts that were scored)
+    eval: EvalResult | None = None  # per-test results (rollouts that were scored)
+
+
+class GroupRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A finished group: see the module docstring."""
+
+    group_id: str
+    task: Task
+    # in rollout order; a group handed on without its stragglers (pools.partial_group_after_s)
+    # holds only its finished members
+    rollouts: list[FinishedRollout]
+
+    @property
+    def records(self) -> list[RolloutRecord]:
+        return [r.record for r in self.rollouts]
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        """Every call of the group, rollout by rollout, each rollout's in capture order."""
+        return [c for r in self.rollouts for c in r.calls]
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version any of its calls was sampled under (None: no calls)."""
+        return min((c.policy_version for r in self.rollouts for c in r.calls), default=None)
