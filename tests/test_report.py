@@ -36,3 +36,26 @@ def test_a_wide_terminal_shows_every_column_and_a_narrow_one_a_prefix():
     assert "staleness" not in narrow
     shown = [header.split("\n")[-1] for header, _, _ in SUMMARY_COLUMNS if header.split("\n")[-1] in narrow]
     assert shown == [header.split("\n")[-1] for header, _, _ in SUMMARY_COLUMNS[: len(shown)]]
+
+
+def _eval(step: int, pass1: float | None) -> dict:
+    return {"step": step, "split": "heldout", "tasks": 14, "samples": 1, "pass_at": {"1": pass1},
+            "mean_reward": pass1, "causes": {}}
+
+
+def test_summary_puts_the_starting_and_the_last_heldout_pass1_side_by_side():
+    from types import SimpleNamespace
+
+    from polar_fast.report.progress import Progress, before_after
+
+    assert before_after([_eval(0, 0.25), _eval(2, 0.5)]) == (
+        "heldout pass@1: 25.0% at the start (the policy RL began from) -> 50.0% after step 2 "
+        "(+25.0 points; 14 heldout tasks x 1)")
+    assert before_after([_eval(2, 0.5)]) == ""  # no eval of the starting policy: nothing to compare
+    assert before_after([_eval(0, 0.5)]) == ""
+    summary = SimpleNamespace(steps=[], outcomes={}, groups_trained=0, groups_withheld=0, calls=0, sampled_tokens=0,
+                              stopped_early=False, evals=[_eval(0, 0.25), _eval(2, 0.5)], causes={},
+                              leftovers_removed=0, checkpoint="ckpt", warm_start={})
+    out = io.StringIO()
+    Progress(steps=2, enabled=False).print_summary(summary, console=Console(file=out, width=200))
+    assert "25.0% at the start" in out.getvalue() and "-> 50.0% after step 2" in out.getvalue()
