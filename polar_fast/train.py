@@ -84,6 +84,16 @@ def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
         yield from epoch
 
 
+def _periodic_eval_tasks(cfg: Config) -> list[Task]:
+    """The held-out tasks of the periodic eval ([] when there is none), refused (EvalError) when
+    they are training tasks: evaluate.heldout_tasks."""
+    if not (cfg.eval.every_steps or cfg.eval.at_start):
+        return []
+    from polar_fast.evaluate import heldout_tasks
+
+    return heldout_tasks(cfg, cfg.eval.split, cfg.eval.limit)
+
+
 def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
     out = Path(cfg.run.output_dir)
     has_state = (out / "records.log").exists() or (out / "checkpoints").exists()
@@ -134,6 +144,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     display. `engine` replaces the configured engine (tests: a scripted policy)."""
     emit = on_event or (lambda kind, data: None)
     check_run(cfg)
+    eval_tasks = await asyncio.to_thread(_periodic_eval_tasks, cfg)  # refused now if they are training tasks
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     if cfg.warm_start.demos:  # learner and engine both start from the warm-started weights
@@ -145,7 +156,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
                                     image=tc.image, families=tc.families or None, per_family=tc.per_family)
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
-        await asyncio.to_thread(check_images, tasks)
+        await asyncio.to_thread(check_images, tasks + eval_tasks)
     emit("info", {"message": "loading the model for the learner"})
     # under torchrun, a Leader that has ranks > 0 join each collective call (learner/distributed.py)
     learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
@@ -159,7 +170,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:
-                evaluator = _PeriodicEval(cfg, rollouts, metrics, summary, emit)
+                evaluator = _PeriodicEval(cfg, eval_tasks, rollouts, metrics, summary, emit)
                 if cfg.eval.at_start and learner.step_count == 0:
                     await evaluator.run(0)
                 pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
@@ -349,16 +360,15 @@ class _PeriodicEval:
     """Held-out evaluation during training (eval.every_steps) on the run's own rollout stack,
     beside the training rollouts; logged to metrics.jsonl / TensorBoard under `eval/`."""
 
-    def __init__(self, cfg: Config, rollouts, metrics: MetricsWriter, summary: RunSummary, emit) -> None:
+    def __init__(self, cfg: Config, tasks: list[Task], rollouts, metrics: MetricsWriter, summary: RunSummary,
+                 emit) -> None:
         self.cfg, self.rollouts, self.metrics, self.summary, self.emit = cfg, rollouts, metrics, summary, emit
-        self._tasks: list[Task] | None = None
+        self._tasks = tasks
 
     async def run(self, step: int) -> None:
-        from polar_fast.evaluate import eval_tasks, evaluate_tasks, score_harness
+        from polar_fast.evaluate import evaluate_tasks, score_harness
 
         ec = self.cfg.eval
-        if self._tasks is None:
-            self._tasks = await asyncio.to_thread(eval_tasks, self.cfg, ec.split, ec.limit)
         self.emit("info", {"message": f"evaluating step {step}: {len(self._tasks)} {ec.split} tasks x {ec.samples}"})
         started = time.perf_counter()
         records = await evaluate_tasks(self.rollouts, self._tasks, ec.samples)
