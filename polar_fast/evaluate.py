@@ -232,13 +232,13 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
 def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
     """An HF model directory for `checkpoint`: itself when it is one (config.json, as `sft`
     writes), else a learner checkpoint `step_N.pt` (or its directory's latest) converted once
-    beside it into `<name>.hf/`."""
+    beside it into `<name>.hf/` (learner/checkpoint.export_hf, also `export-model`)."""
+    from polar_fast.learner.checkpoint import CheckpointError, export_hf, latest_checkpoint
+
     path = Path(checkpoint)
     if (path / "config.json").is_file():
         return path
     if path.is_dir():
-        from polar_fast.learner.checkpoint import latest_checkpoint
-
         latest = latest_checkpoint(path)
         if latest is None:
             raise EvalError(f"checkpoint {checkpoint}: neither a model directory (config.json) nor a "
@@ -249,20 +249,10 @@ def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
     out = path.with_name(path.name + ".hf")
     if (out / "config.json").is_file() and (out / "config.json").stat().st_mtime >= path.stat().st_mtime:
         return out
-    import torch
-
-    from polar_fast.learner.checkpoint import lm_state_dict
-    from polar_fast.model import load_model, load_tokenizer
-
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        model = load_model(base_path, dtype="float32", device="cpu")
-        model.load_state_dict(lm_state_dict(payload))
-    except (KeyError, RuntimeError, OSError, EOFError) as e:
-        raise EvalError(f"checkpoint {path}: cannot load it into model {base_path or 'default'}: {e}") from None
-    model.save_pretrained(out)
-    load_tokenizer(base_path).save_pretrained(out)
-    return out
+        return export_hf(path, base_path, out)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
 
 
 def collect_provenance(cfg: Config, harnesses: Sequence[str]) -> dict:

@@ -33,10 +33,11 @@ from typing import Callable, Iterator, Sequence
 
 import msgspec
 
-from polar_fast.config import Config, groups_in_flight
+from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner, trains_on
 from polar_fast.learner import distributed
+from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
 from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSync
 from polar_fast.pools import Pools
@@ -92,6 +93,15 @@ def _periodic_eval_tasks(cfg: Config) -> list[Task]:
     from polar_fast.evaluate import heldout_tasks
 
     return heldout_tasks(cfg, cfg.eval.split, cfg.eval.limit)
+
+
+def save_checkpoint(learner: Learner | Leader, run: RunConfig) -> str:
+    """A checkpoint of the learner in `<output_dir>/checkpoints`, then only the newest
+    `run.keep_checkpoints` kept (the one just written always is)."""
+    directory = Path(run.output_dir) / "checkpoints"
+    path = learner.save(str(directory))
+    prune_checkpoints(directory, run.keep_checkpoints)
+    return path
 
 
 def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
@@ -162,7 +172,9 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
     if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
-    metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
+    metrics = await asyncio.to_thread(lambda: MetricsWriter(
+        run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
+        config=msgspec.to_builtins(cfg)))
     try:
         async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
@@ -179,7 +191,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                              metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator)
                 pools.on_late = loop.on_late
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
-        summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
+        summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
         await asyncio.to_thread(distributed.stop_followers, learner)
     finally:
         await asyncio.to_thread(metrics.close)
@@ -276,7 +288,7 @@ class _Loop:
         step = await asyncio.to_thread(self.learner.step, groups)
         await self.learner.sync_weights(self.sync)
         if step.step % self.cfg.run.checkpoint_every == 0:
-            await asyncio.to_thread(self.learner.save, str(Path(self.cfg.run.output_dir) / "checkpoints"))
+            await asyncio.to_thread(save_checkpoint, self.learner, self.cfg.run)
         call_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
         sampled = sum(len(c.completion_ids) for c in calls)
         self.summary.groups_trained += len(groups)
