@@ -13,14 +13,22 @@ so the parameter count is exact, tied weights once. Then, per rank:
   compares them with the tensors of a real step;
 - reference: with learner.kl_coef > 0, a frozen fp32 copy of the model, whole on every rank;
 - gathered: under FSDP2, a decoder layer unsharded for compute and the next one prefetched;
+- casts: on one rank with bf16 autocast, the bf16 copy of every weight autocast keeps for a step;
 - activations at `merge.max_tokens` tokens (one packed micro-batch), without and with gradient
   checkpointing, and the logits of one `logprob_chunk_tokens` chunk (packed_forward.py). These
-  are estimates: what autograd saves per token of a decoder layer (two RMSNorms, the q/k/v
-  projections, rotary, attention inputs and output, SwiGLU's gate, up and product), counted for
-  a standard attention layer; a Gated DeltaNet layer is counted as one of the same widths.
+  are estimates: what autograd saves per token of a decoder layer (two RMSNorms' fp32 input and
+  output, autocast's bf16 copy of each projection's input, q/k/v, rotary, attention in and out,
+  Qwen3's per-head q/k norms, SwiGLU's gate, up and product), for a standard attention layer; a
+  Gated DeltaNet layer is counted as one of the same widths.
 
-Not counted: the CUDA context and caching-allocator slack (`check` leaves 10% of the device for
-them), NCCL buffers, and on a CPU learner the embedded engine that shares the host's memory.
+The peak is the static part plus the larger of the gradients (all alive at the optimizer step)
+and the activations with the logits (all alive when backward starts, before most gradients
+exist). Measured on an H200 (bench/memory_bench.py: bf16 autocast, one rank, 16k and 32k tokens,
+Qwen3-0.6B, Llama-3.2-1B and Qwen3-4B shapes), the estimate was 1.00-1.04x the peak without
+gradient checkpointing and 1.05-1.19x with it (docs/gpu.md has the table).
+
+Not counted: the CUDA context and the caching allocator's slack (`check` keeps 5% of the device
+for them), NCCL buffers, and on a CPU learner the embedded engine that shares the host's memory.
 """
 
 from __future__ import annotations
@@ -49,14 +57,16 @@ class MemoryEstimate(msgspec.Struct, frozen=True, kw_only=True):
     optimizer: int
     reference: int  # the frozen KL reference (0 without kl_coef)
     gathered: int  # FSDP2 unsharded layers in flight (0 on one rank)
+    casts: int  # autocast's bf16 weight copies (one rank, bf16; else 0)
     activations: int  # at `tokens`, without gradient checkpointing
     activations_checkpointed: int  # the same with gradient checkpointing
     logits: int  # one logprob chunk's logits, forward and backward
 
     def total_bytes(self, *, checkpointing: bool) -> int:
+        """The peak: the static part, plus the gradients or the activations, whichever is larger."""
         acts = self.activations_checkpointed if checkpointing else self.activations
-        return (self.weights + self.gradients + self.optimizer + self.reference + self.gathered
-                + acts + self.logits)
+        static = self.weights + self.optimizer + self.reference + self.gathered + self.casts
+        return static + max(self.gradients, acts + self.logits)
 
 
 def meta_model(model_path: str):
@@ -97,7 +107,11 @@ def estimate_memory(cfg: Config, *, world: int = 1, model=None) -> MemoryEstimat
     if world > 1:
         largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
         gathered = PREFETCHED_LAYERS * largest * compute
-    per_layer = _layer_activation_bytes(text, compute=compute, residual=residual)  # per token
+    autocast = world == 1 and compute != FP32
+    first = layers[0]
+    qk_norm = any(name.endswith(("q_norm", "k_norm")) for name, _ in first.named_modules())
+    per_layer = _layer_activation_bytes(text, compute=compute, residual=residual, autocast=autocast,
+                                        qk_norm=qk_norm)  # per token
     tokens = cfg.merge.max_tokens
     hidden = text.hidden_size
     outside = tokens * hidden * (residual * 2 + compute)  # embeddings, final norm, the rows sent to the head
@@ -107,11 +121,12 @@ def estimate_memory(cfg: Config, *, world: int = 1, model=None) -> MemoryEstimat
     logits = chunk * text.vocab_size * (compute + LOGIT_COPIES_FP32 * FP32)
     return MemoryEstimate(
         params=n_params, world=world, tokens=tokens, weights=weights, gradients=weights, optimizer=optimizer,
-        reference=n_params * FP32 if lc.kl_coef > 0 else 0, gathered=gathered, activations=activations,
+        reference=n_params * FP32 if lc.kl_coef > 0 else 0, gathered=gathered,
+        casts=n_params * compute if autocast else 0, activations=activations,
         activations_checkpointed=checkpointed, logits=logits)
 
 
-def _layer_activation_bytes(text, *, compute: int, residual: int) -> int:
+def _layer_activation_bytes(text, *, compute: int, residual: int, autocast: bool, qk_norm: bool) -> int:
     """What autograd keeps per token for one decoder layer's backward (module docstring)."""
     h = text.hidden_size
     heads = text.num_attention_heads
@@ -119,7 +134,11 @@ def _layer_activation_bytes(text, *, compute: int, residual: int) -> int:
     q = heads * head_dim
     kv = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
     inter = text.intermediate_size
-    norms = 2 * (residual + compute) * h  # each RMSNorm: its fp32 input and its output
-    attention = compute * (h + 3 * q + 4 * kv) + FP32 * heads  # proj input, q/k/v, rotary, sdpa in/out, lse
-    mlp = compute * (h + 4 * inter)  # input, gate, up, act(gate), product
+    norms = 2 * (FP32 + residual) * h  # each RMSNorm: its input upcast to fp32, and its output
+    # autocast casts a projection's input once per projection: q, k and v each keep a copy, as do gate and up
+    attn_inputs, mlp_inputs = (3, 2) if autocast else (1, 1)
+    attention = compute * (attn_inputs * h + 3 * q + 4 * kv) + FP32 * heads  # q/k/v, rotary, sdpa in/out, lse
+    if qk_norm:  # Qwen3: an RMSNorm per head on q and k
+        attention += (FP32 + compute) * (q + kv)
+    mlp = compute * (mlp_inputs * h + 4 * inter)  # gate, up, act(gate), product
     return norms + attention + mlp
