@@ -57,3 +57,15 @@ def test_sharding_divides_the_states_and_checkpointing_the_activations(tmp_path)
     assert four.weights < one.weights / 3 and four.optimizer < one.optimizer / 3 and four.gathered > 0
     assert one.activations_checkpointed < one.activations  # two layers: one is recomputed at a time
     assert one.total_bytes(checkpointing=True) < one.total_bytes(checkpointing=False)
+
+
+def test_the_memory_bench_runs_a_real_step_and_counts_it_exactly(tmp_path):
+    """bench/memory_bench.py's smoke row (the H200 numbers in docs/gpu.md come from its cuda rows)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import memory_bench
+
+    row = memory_bench.row("tiny", 256, True, "cpu", tmp_path)
+    assert row["weights_ok"] and row["optimizer_ok"] and row["estimate_GiB"] > 0

@@ -3,7 +3,8 @@
 One line per item, `pass`, `fail` or `n/a`, each with its evidence, and for a failure the fix;
 exit status 1 when any item fails. The items, in the order they would cost GPU time:
 
-- config (context.py): per harness of the run (harness.name and eval.harnesses), its compaction
+- config: the settings a training run refuses at start (train.check_run); then (context.py) per
+  harness of the run (harness.name and eval.harnesses), its compaction
   threshold, its first request (the real CLI run once against the real proxy and a scripted
   engine, rendered with the run's model: first_request.py) with room for a few turns, and the
   output cap;
@@ -72,6 +73,7 @@ async def collect(cfg: Config, *, nproc_per_node: int = 0, measure: Callable | N
             if emit:
                 emit(item)
 
+    add([check_run_settings(cfg)])
     task_items, train = await asyncio.to_thread(tasks.check_tasks, cfg)
     prompt = train[0].problem_statement if train else context.STAND_IN_PROMPT
     add(await context.check_context(cfg, prompt, measure=measure))
@@ -79,6 +81,18 @@ async def collect(cfg: Config, *, nproc_per_node: int = 0, measure: Callable | N
     add(await asyncio.to_thread(engine.check_engine, cfg))
     add(await asyncio.to_thread(learner.check_learner, cfg, nproc_per_node))
     return items
+
+
+def check_run_settings(cfg: Config) -> Item:
+    """What the run refuses at start anyway (train.check_run), said here with the rest."""
+    from polar_fast.errors import PolarError
+    from polar_fast.train import check_run
+
+    try:
+        check_run(cfg)
+    except PolarError as e:
+        return failed("config", "run settings", str(e), "change the keys it names (docs/config.md)")
+    return passed("config", "run settings", "sampling, merge.max_tokens and weight sync are what training accepts")
 
 
 def run_check(cfg: Config, *, nproc_per_node: int = 0, out: TextIO = sys.stdout,
