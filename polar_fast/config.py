@@ -174,7 +174,12 @@ class LearnerConfig(_Section):
 class EvalConfig(_Section):
     """Evaluation: `python -m polar_fast eval` and the periodic held-out eval of a training run."""
 
-    split: str = "heldout"  # task split evaluated (tasks.source decides what splits exist)
+    # held-out tasks, read as tasks.source is ("families", a .jsonl / .parquet file, a datasets dir);
+    # "" = tasks.source's own split `split` (families, a datasets dir). A single file has no splits:
+    # evaluating it, or any tasks that share an instance_id or repo + base_commit with the training
+    # tasks, is refused (evaluate.heldout_tasks)
+    source: str = ""
+    split: str = "heldout"  # task split evaluated (of `source`, else of tasks.source)
     samples: int = 1  # per task; pass@k needs samples >= k
     k: list[int] = msgspec.field(default_factory=lambda: [1])
     harnesses: list[str] = []  # [] = harness.name
@@ -214,9 +219,12 @@ class RunConfig(_Section):
     zero_variance_skips: int = 4
     groups_in_flight: int = 0  # groups started but not finished; 0 = 2 x groups_per_step (stragglers delay only their group)
     partial_group_after_s: float = 0.0  # > 0: train a group without stragglers that waited this long (biased); 0 = off
-    seed: int = 0
+    seed: int = 0  # task order (each epoch's shuffle); docs/config.md "Seeds" lists every seed
     checkpoint_every: int = 1  # steps
+    keep_checkpoints: int = 0  # checkpoints kept on disk, newest first (the last is always kept); 0 = all
     tensorboard: bool = True
+    wandb: Literal["off", "online", "offline"] = "off"  # also log metrics to Weights & Biases (extra `wandb`)
+    wandb_project: str = "polar_fast"  # W&B project; the run is named after output_dir
 
 
 def groups_in_flight(run: RunConfig) -> int:

@@ -33,10 +33,11 @@ from typing import Callable, Iterator, Sequence
 
 import msgspec
 
-from polar_fast.config import Config, groups_in_flight
+from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Learner, trains_on
 from polar_fast.learner import distributed
+from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
 from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSync
 from polar_fast.pools import Pools
@@ -82,6 +83,25 @@ def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
         epoch = list(tasks)
         rng.shuffle(epoch)
         yield from epoch
+
+
+def _periodic_eval_tasks(cfg: Config) -> list[Task]:
+    """The held-out tasks of the periodic eval ([] when there is none), refused (EvalError) when
+    they are training tasks: evaluate.heldout_tasks."""
+    if not (cfg.eval.every_steps or cfg.eval.at_start):
+        return []
+    from polar_fast.evaluate import heldout_tasks
+
+    return heldout_tasks(cfg, cfg.eval.split, cfg.eval.limit)
+
+
+def save_checkpoint(learner: Learner | Leader, run: RunConfig) -> str:
+    """A checkpoint of the learner in `<output_dir>/checkpoints`, then only the newest
+    `run.keep_checkpoints` kept (the one just written always is)."""
+    directory = Path(run.output_dir) / "checkpoints"
+    path = learner.save(str(directory))
+    prune_checkpoints(directory, run.keep_checkpoints)
+    return path
 
 
 def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
@@ -134,6 +154,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     display. `engine` replaces the configured engine (tests: a scripted policy)."""
     emit = on_event or (lambda kind, data: None)
     check_run(cfg)
+    eval_tasks = await asyncio.to_thread(_periodic_eval_tasks, cfg)  # refused now if they are training tasks
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     if cfg.warm_start.demos:  # learner and engine both start from the warm-started weights
@@ -145,13 +166,15 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
                                     image=tc.image, families=tc.families or None, per_family=tc.per_family)
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
-        await asyncio.to_thread(check_images, tasks)
+        await asyncio.to_thread(check_images, tasks + eval_tasks)
     emit("info", {"message": "loading the model for the learner"})
     # under torchrun, a Leader that has ranks > 0 join each collective call (learner/distributed.py)
     learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
     if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
-    metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
+    metrics = await asyncio.to_thread(lambda: MetricsWriter(
+        run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
+        config=msgspec.to_builtins(cfg)))
     try:
         async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
@@ -159,7 +182,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:
-                evaluator = _PeriodicEval(cfg, rollouts, metrics, summary, emit)
+                evaluator = _PeriodicEval(cfg, eval_tasks, rollouts, metrics, summary, emit)
                 if cfg.eval.at_start and learner.step_count == 0:
                     await evaluator.run(0)
                 pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
@@ -168,7 +191,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                              metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator)
                 pools.on_late = loop.on_late
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
-        summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
+        summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
         await asyncio.to_thread(distributed.stop_followers, learner)
     finally:
         await asyncio.to_thread(metrics.close)
@@ -265,7 +288,7 @@ class _Loop:
         step = await asyncio.to_thread(self.learner.step, groups)
         await self.learner.sync_weights(self.sync)
         if step.step % self.cfg.run.checkpoint_every == 0:
-            await asyncio.to_thread(self.learner.save, str(Path(self.cfg.run.output_dir) / "checkpoints"))
+            await asyncio.to_thread(save_checkpoint, self.learner, self.cfg.run)
         call_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
         sampled = sum(len(c.completion_ids) for c in calls)
         self.summary.groups_trained += len(groups)
@@ -349,16 +372,15 @@ class _PeriodicEval:
     """Held-out evaluation during training (eval.every_steps) on the run's own rollout stack,
     beside the training rollouts; logged to metrics.jsonl / TensorBoard under `eval/`."""
 
-    def __init__(self, cfg: Config, rollouts, metrics: MetricsWriter, summary: RunSummary, emit) -> None:
+    def __init__(self, cfg: Config, tasks: list[Task], rollouts, metrics: MetricsWriter, summary: RunSummary,
+                 emit) -> None:
         self.cfg, self.rollouts, self.metrics, self.summary, self.emit = cfg, rollouts, metrics, summary, emit
-        self._tasks: list[Task] | None = None
+        self._tasks = tasks
 
     async def run(self, step: int) -> None:
-        from polar_fast.evaluate import eval_tasks, evaluate_tasks, score_harness
+        from polar_fast.evaluate import evaluate_tasks, score_harness
 
         ec = self.cfg.eval
-        if self._tasks is None:
-            self._tasks = await asyncio.to_thread(eval_tasks, self.cfg, ec.split, ec.limit)
         self.emit("info", {"message": f"evaluating step {step}: {len(self._tasks)} {ec.split} tasks x {ec.samples}"})
         started = time.perf_counter()
         records = await evaluate_tasks(self.rollouts, self._tasks, ec.samples)
