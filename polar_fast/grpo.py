@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from polar_fast import merge
 from polar_fast.config import Config, LearnerConfig
-from polar_fast.learner import losses, mismatch, packed_attention, packed_check
+from polar_fast.learner import losses, mismatch, packed_attention, packed_check, packed_forward
 from polar_fast.learner.batches import LAYOUTS, StepBatch, check_layout, group_batches, percall_batches, split_weights
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.learner.mismatch import Gate, MismatchError
@@ -83,11 +83,17 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _attention_impl(cfg: LearnerConfig, device: torch.device) -> str:
+def _attention_impl(cfg: LearnerConfig, device: torch.device, model: torch.nn.Module) -> str:
+    """"auto": FlexAttention on CUDA, SDPA per block (no (T, T) mask) elsewhere. A class whose
+    transformers code does not declare FlexAttention (Qwen3.5's, in transformers 5.25: found by
+    bench/gpu_check.py on an H200) gets transformers' flex function under our own name."""
     kind = cfg.attention
     if kind == "auto":
         kind = "flex_attention" if device.type == "cuda" else "sdpa"
-    return packed_attention.NAME if kind == "sdpa" else kind  # SDPA kernels, per block, no (T, T) mask
+    if kind == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        packed_forward.register_flex()
+        return packed_forward.FLEX
+    return packed_attention.NAME if kind == "sdpa" else kind
 
 
 # -------------------------------------------------------------------------------------- setup
@@ -103,7 +109,7 @@ def _prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, layout: str, d
         raise ValueError("a model on the meta device needs torch.distributed ranks to shard it over")
     if not on_meta:
         model.to(device)
-    attention = _attention_impl(cfg, device)
+    attention = _attention_impl(cfg, device, model)
     model.set_attn_implementation(attention)
     if cfg.check_packed and layout != "percall":  # before any step: a layer that leaks stops the run
         packed_check.check(model, layout, attention=attention, device=device, merge_impl=merge_impl)
