@@ -156,7 +156,22 @@ class LearnerConfig(_Section):
     advantage: Literal["mean_std", "mean", "leave_one_out"] = "mean_std"
     clip_low: float = 0.2
     clip_high: float = 0.28
-    max_importance_weight: float = 2.0  # truncated importance sampling cap
+    # dual-clip cap on the PPO ratio for negative advantages (beyond it the term gives no gradient);
+    # it bounds the ratio the clip sees, not the engine/learner gap: that is is_correction's job
+    max_importance_weight: float = 2.0
+    # engine/learner mismatch (docs/learning.md): "none" = PPO ratio against the behaviour logprob;
+    # "tis" = decoupled PPO, policy term weighted by min(pi_old / pi_behaviour, is_cap);
+    # "mask" = decoupled PPO, terms whose pi_old / pi_behaviour leaves [is_mask_low, is_mask_high] dropped
+    is_correction: Literal["none", "tis", "mask"] = "tis"
+    is_cap: float = 2.0  # tis: truncation C of the importance weight
+    is_mask_low: float = 0.5  # mask: the band pi_old / pi_behaviour must lie in
+    is_mask_high: float = 2.0
+    # mask: "token" drops tokens outside the band; "rollout" also drops a whole rollout when the
+    # geometric mean of its tokens' ratios leaves it (costs one extra forward per step)
+    is_mask_level: Literal["token", "rollout"] = "token"
+    # the run's first step stops before the update when the k3 KL(behaviour || learner) over its
+    # sampled tokens exceeds this, naming the likely causes (learner/mismatch.py); 0 = off
+    max_mismatch_kl: float = 0.01
     kl_coef: float = 0.0
     aggregation: Literal["per-rollout", "token-mean", "sequence-mean"] = "per-rollout"
     logprob_chunk_tokens: int = 1024  # logits are materialised this many tokens at a time
@@ -169,6 +184,14 @@ class LearnerConfig(_Section):
     # at start, a tiny random model of the architecture runs the packed forward against one forward
     # per call; a mismatch stops the run naming the layout and layer (learner/packed_check.py)
     check_packed: bool = True
+
+    def __post_init__(self) -> None:  # decoding turns a ValueError into a ConfigError naming the section
+        if not 0 <= self.is_mask_low < 1 < self.is_mask_high:
+            raise ValueError(f"learner.is_mask_low ({self.is_mask_low}) and is_mask_high ({self.is_mask_high}) must "
+                             "bracket 1: the band holds the ratios of an engine that agrees with the learner")
+        if self.is_cap < 1:
+            raise ValueError(f"learner.is_cap ({self.is_cap}) must be at least 1: below it tis would down-weight "
+                             "tokens the engine and learner agree on")
 
 
 class EvalConfig(_Section):

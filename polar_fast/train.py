@@ -14,6 +14,11 @@ record log. Everything captured goes to `<output_dir>/records.log` as it happens
 loses nothing; checkpoints go to `<output_dir>/checkpoints`, and `resume=True` continues from the
 newest with the same step numbering, after removing sandboxes a killed run left behind.
 
+The first step of a run (and the first after a resume) carries the mismatch gate
+(learner/mismatch.py): when the engine's behaviour logprobs and the learner's disagree by more
+than `learner.max_mismatch_kl`, the run stops before the update with one MismatchError naming
+the likely causes. The scripted engines' logprobs are made up, so their runs are not gated.
+
 Under torchrun this is rank 0; ranks > 0 run `distributed.follow` and join every learner call.
 
 Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
@@ -24,18 +29,19 @@ second Ctrl-C cancels at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import msgspec
 
 from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
-from polar_fast.grpo import Learner, trains_on
+from polar_fast.grpo import Gate, Learner, MismatchError, trains_on
 from polar_fast.learner import distributed
 from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
@@ -176,7 +182,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
         run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
         config=msgspec.to_builtins(cfg)))
     try:
-        async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+        async with _one_gate_error(), open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
             sync = _weight_sync(cfg, rollouts.engine, run_dir)
             if learner.version:  # the engine starts from the resumed policy
@@ -188,7 +194,8 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
                                            partial_group_after_s=cfg.run.partial_group_after_s)
                 loop = _Loop(rollouts.cfg, learner=learner, sync=sync, pools=pools, proxy=rollouts.proxy,
-                             metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator)
+                             metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator,
+                             gate=first_step_gate(cfg, rollouts.engine))
                 pools.on_late = loop.on_late
                 await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
         summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
@@ -198,14 +205,42 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     return summary
 
 
+def first_step_gate(cfg: Config, engine) -> Gate | None:
+    """The mismatch gate of the run's first step: None when learner.max_mismatch_kl is 0 or the
+    engine's logprobs are made up (engines/scripted.py: tests and dry runs)."""
+    if cfg.learner.max_mismatch_kl <= 0 or getattr(engine, "made_up_logprobs", False):
+        return None
+    return Gate.for_run(cfg)
+
+
+@contextlib.asynccontextmanager
+async def _one_gate_error() -> AsyncIterator[None]:
+    """The gate's MismatchError leaves the run as itself, its one message intact, not inside the
+    exception groups of the TaskGroups it passes (proxy, loop)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1 and isinstance(leaves[0], MismatchError):
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [] if isinstance(error, asyncio.CancelledError) else [error]
+
+
 class _Loop:
     """Pools and learner side by side; ends after the last step or at a stop request."""
 
     def __init__(self, cfg: Config, *, learner: Learner | Leader, sync: WeightSync, pools: Pools, proxy: Proxy,
                  metrics: MetricsWriter, summary: RunSummary, stop: asyncio.Event, emit: Emit,
-                 evaluator: _PeriodicEval | None = None) -> None:
+                 evaluator: _PeriodicEval | None = None, gate: Gate | None = None) -> None:
         self.cfg, self.learner, self.sync, self.pools, self.proxy = cfg, learner, sync, pools, proxy
         self.metrics, self.summary, self.stop, self.emit, self.evaluator = metrics, summary, stop, emit, evaluator
+        self.gate = gate  # the mismatch gate, for the first step only
         self.ready: asyncio.Queue[GroupRecord] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
 
     async def run(self, tasks: Iterator[Task]) -> None:
@@ -285,7 +320,8 @@ class _Loop:
         calls = [c for g in groups for c in g.calls]
         rollouts = [r for g in groups for r in g.records]
         started = time.perf_counter()
-        step = await asyncio.to_thread(self.learner.step, groups)
+        gate, self.gate = self.gate, None
+        step = await asyncio.to_thread(self.learner.step, groups, gate=gate)
         await self.learner.sync_weights(self.sync)
         if step.step % self.cfg.run.checkpoint_every == 0:
             await asyncio.to_thread(save_checkpoint, self.learner, self.cfg.run)
