@@ -328,6 +328,7 @@ def test_packed_attention_without_a_plan_is_sdpa_on_the_given_mask():
         lm(tokens)
 
 
+@pytest.mark.timeout(600)  # FlexAttention compiles on CPU: ~1 min alone, more on a loaded machine
 def test_flex_attention_runs_on_a_class_that_does_not_declare_it():
     """transformers 5.25's Qwen3.5 refuses set_attn_implementation("flex_attention") (found on an
     H200 by bench/gpu_check.py); the learner runs transformers' own flex function under its name
