@@ -202,7 +202,7 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
     names = list(harnesses) or [cfg.harness.name]
     for name in names:
         try:
-            get_harness(name, cfg.harness)
+            await asyncio.to_thread(get_harness, name, cfg.harness)  # a definition file is read
         except ConfigError as e:
             raise EvalError(str(e).replace("key 'harness.name': ", "")) from None
     if max(ks) > samples:

@@ -10,6 +10,7 @@ ends on a context error or compacts on every call, scores 0, and the GPUs train 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from polar_fast.config import Config
@@ -34,7 +35,7 @@ async def check_context(cfg: Config, prompt: str, *, measure: Callable | None = 
     items: list[Item] = []
     for name in harnesses_of(cfg):
         try:
-            get_harness(name, cfg.harness)
+            await asyncio.to_thread(get_harness, name, cfg.harness)  # a definition file is read
         except ConfigError as e:
             items.append(failed(AREA, f"{name}", str(e), "name a built-in harness or declare it (docs/harnesses.md)"))
             continue
@@ -43,7 +44,7 @@ async def check_context(cfg: Config, prompt: str, *, measure: Callable | None = 
             error = ""
         except PolarError as e:
             first, error = None, str(e)
-        items += harness_items(cfg, name, first, error)
+        items += await asyncio.to_thread(harness_items, cfg, name, first, error)
     return items
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -188,11 +189,14 @@ async def _run_once(cfg: Config, engine: CheckEngine, task) -> _Run:
     async def on_group(group) -> None:
         groups.append(group)
 
-    with tempfile.TemporaryDirectory(prefix="polar-harness-check-") as work:
-        async with open_rollouts(cfg, Path(work), engine=engine) as r:
+    work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="polar-harness-check-"))
+    try:
+        async with open_rollouts(cfg, work, engine=engine) as r:
             watched = _Watched(r.agent)
             await Pools(cfg.pools, r.factory, watched, agent_timeout_s=cfg.harness.timeout_s).run([task], on_group)
-        log = await asyncio.to_thread(read_log, Path(work) / "records.log")
+        log = await asyncio.to_thread(read_log, work / "records.log")
+    finally:
+        await asyncio.to_thread(shutil.rmtree, work, True)
     member = groups[0].rollouts[0] if groups and groups[0].rollouts else None
     return _Run(record=member.record if member else None, result=watched.result,
                 calls=list(member.calls) if member else [], exchanges=log.exchanges)
@@ -207,8 +211,8 @@ async def check_harness(cfg: Config, target: str) -> CheckReport:
     from polar_fast.rollouts.tasks import load_builtin
 
     started = time.perf_counter()
-    cfg = checking_config(cfg, target)
-    harness = run_harness(cfg.harness)  # a bad definition stops here
+    cfg = await asyncio.to_thread(checking_config, cfg, target)
+    harness = await asyncio.to_thread(run_harness, cfg.harness)  # a bad definition stops here
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
     task = (await asyncio.to_thread(load_builtin))[0]
     end_command = getattr(harness, "end_command", "") or ""

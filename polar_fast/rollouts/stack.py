@@ -97,7 +97,7 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
     from polar_fast.rollouts.sandboxes import sandbox_class
 
     emit = emit or (lambda kind, data: None)
-    harness = run_harness(cfg.harness)  # a bad definition stops here, before anything boots
+    harness = await asyncio.to_thread(run_harness, cfg.harness)  # a bad definition stops here, before anything boots
     emit("info", {"message": f"installing harness {harness.name} (cached after the first run)"})
     bundle = await asyncio.to_thread(harness.install, bundle_root(cfg.harness.bundle_dir))
     if engine is None:
