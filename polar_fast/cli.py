@@ -266,11 +266,10 @@ def _install_harnesses(parser: argparse.ArgumentParser, names: list[str], *, eve
     return 0
 
 
+
 def _named(target: str):
     """A built-in harness by name, or the one a definition file declares."""
-    from polar_fast.rollouts.harnesses import HARNESSES, get_harness
-    from polar_fast.rollouts.harnesses.configured import ConfiguredHarness, definition_from_file
+    from polar_fast.config import HarnessConfig
+    from polar_fast.rollouts.harnesses import run_harness, select
 
-    if target.endswith(".toml") or "/" in target:
-        return ConfiguredHarness(definition_from_file(target, reserved=tuple(HARNESSES)))
-    return get_harness(target)
+    return run_harness(select(HarnessConfig(), target))

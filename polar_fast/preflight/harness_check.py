@@ -167,12 +167,10 @@ class _Run(msgspec.Struct, kw_only=True):
 def checking_config(cfg: Config, target: str) -> Config:
     """`cfg` as the check runs it: `target` (a name, or a definition file), scripted engine, a
     million-token window, one rollout at a time, no refusals of the CLI's long first prompt."""
-    s = msgspec.structs.replace
-    harness = s(cfg.harness, name=target)
-    if target.endswith(".toml") or "/" in target:
-        from polar_fast.rollouts.harnesses.configured import definition_from_file
+    from polar_fast.rollouts.harnesses import select
 
-        harness = s(cfg.harness, name=definition_from_file(target).name, file=target, define={})
+    s = msgspec.structs.replace
+    harness = select(cfg.harness, target)
     pools = s(cfg.pools, group_size=1, boot_workers=1, agent_workers=1, eval_workers=1, prewarm=0, infra_retries=0)
     return s(cfg, harness=s(harness, timeout_s=min(cfg.harness.timeout_s, RUN_TIMEOUT_S), max_steps=8),
              engine=s(cfg.engine, kind="scripted"), model=s(cfg.model, max_context_tokens=CHECK_CONTEXT),

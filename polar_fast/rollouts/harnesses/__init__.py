@@ -97,10 +97,20 @@ def get_harness(name: str, config: HarnessConfig | None = None) -> Harness:
                           + ("" if defined else " (or declare one: harness.file / harness.define)")) from None
 
 
+def select(config: HarnessConfig, target: str) -> HarnessConfig:
+    """`config` set to run `target`: a harness name, or a TOML file declaring one (by its path)."""
+    if not (target.endswith(".toml") or "/" in target):
+        return msgspec.structs.replace(config, name=target)
+    from polar_fast.rollouts.harnesses.configured import definition_from_file
+
+    name = definition_from_file(target, reserved=tuple(HARNESSES)).name
+    return msgspec.structs.replace(config, name=name, file=target, define={})
+
+
 def run_harness(config: HarnessConfig) -> Harness:
     """The harness a run uses (`harness.name`), its definition checked: call before anything boots."""
     return get_harness(config.name, config)
 
 
 __all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "ModelLimits", "bundle_manifest",
-           "bundle_root", "default_bundle_root", "get_harness", "run_harness"]
+           "bundle_root", "default_bundle_root", "get_harness", "run_harness", "select"]
