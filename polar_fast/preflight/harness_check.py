@@ -104,6 +104,7 @@ class CheckEngine:
         self.fix = f"git apply <<'POLAR_EOF'\n{fix_patch}POLAR_EOF"
         self.end_command = end_command
         self.fill = " ".join(["context"] * fill_tokens)
+        self.filled = ""  # the fill once sent: a prompt without it is compacted, and the task ends
         self.prompts: list[str] = []
         self.first_prompt_tokens = 0  # the longest prompt answered with step 1 (the main first request)
 
@@ -112,10 +113,12 @@ class CheckEngine:
         steps = text.count("<|im_start|>user\n<tool_response>")
         if tool is None:
             return "Done: nothing to do without a shell tool."
+        if self.filled and self.filled not in text:
+            steps = 2  # compacted: end the task rather than start over (it might compact again)
         if steps == 0:
-            think = "First I look at the repository." + (f" {self.fill}" if self.fill else "")
-            self.fill = ""  # once: a compacted conversation starts over without it
-            return f"<think>\n{think}\n</think>\nI'll look at the repository first.\n" + _call(tool, MARK_COMMAND)
+            fill, self.filled = (f" {self.fill}", self.fill) if self.fill and not self.filled else ("", self.filled)
+            return ("<think>\nFirst I look at the repository.\n</think>\nI'll look at the repository first."
+                    f"{fill}\n" + _call(tool, MARK_COMMAND))
         if steps == 1:
             return "Now I apply the fix.\n" + _call(tool, self.fix)
         if self.end_command:

@@ -6,8 +6,8 @@ A definition is data for the three things an adapter knows (harnesses/__init__.p
 line, environment and HOME files, and the texts that mark a format error. Values are templates:
 `{{ name }}` is a placeholder (PLACEHOLDERS), and `{{ expression }}` is integer arithmetic over
 the integer ones (`+ - * //`, parentheses, `min`, `max`), enough for compaction thresholds such
-as Pi's. A `json_files` entry is written as JSON; a string in it that is one integer placeholder
-or expression becomes a JSON number. Conditionals and float formatting are out of reach (Claude
+as Pi's. A `json_files` entry is written as JSON (its keys are templates too); a string in it
+that is one integer placeholder or expression becomes a JSON number. Conditionals and float formatting are out of reach (Claude
 Code's compaction override needs both): such a harness stays code.
 
 `load_definition` checks everything before anything runs and raises ConfigError with one line
@@ -140,6 +140,7 @@ def _json_strings(value: Any, key: str):
         yield key, value
     elif isinstance(value, dict):
         for k, v in value.items():
+            yield f"{key} (a key)", k  # keys are templates too (e.g. a model table named {{ model }})
             yield from _json_strings(v, f"{key}.{k}")
     elif isinstance(value, list):
         for i, v in enumerate(value):
@@ -217,7 +218,7 @@ def _render_json(value: Any, values: dict[str, Any]) -> Any:
             return _evaluate(parts[1], values)
         return render(value, values)
     if isinstance(value, dict):
-        return {k: _render_json(v, values) for k, v in value.items()}
+        return {render(k, values): _render_json(v, values) for k, v in value.items()}
     if isinstance(value, list):
         return [_render_json(v, values) for v in value]
     return value
