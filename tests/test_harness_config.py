@@ -166,3 +166,13 @@ def _toml(value: dict) -> str:
     text = "\n".join(out) + "\n"
     assert tomllib.loads(text) == value
     return text
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_opencode_from_configuration_alone_passes_the_check():
+    # a CLI polar_fast ships no adapter for; scripts/test.sh installs its bundle (npm, cached)
+    report = await check_harness(load_config(None), str(EXAMPLES / "opencode.toml"))
+    assert report.ok, format_report(report)
+    assert [i.status for i in report.items] == ["pass"] * 5, format_report(report)
