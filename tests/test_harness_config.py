@@ -8,6 +8,8 @@
   and a local sandbox, and is scored: `harnesses check` passes it. The same agent resending its
   reply re-cased fails the history line (with the first differing token, the change, the merge
   cost), and one that never calls the model fails the proxy line.
+- OpenCode, declared in configuration only (examples/harnesses/opencode.toml), passes every line
+  with the real CLI (slow: ~35 s).
 """
 
 from __future__ import annotations
