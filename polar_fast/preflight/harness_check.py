@@ -219,7 +219,8 @@ async def check_harness(cfg: Config, target: str) -> CheckReport:
     end_command = getattr(harness, "end_command", "") or ""
     engine = CheckEngine(tokenizer, fix_patch=task.patch, end_command=end_command)
     run = await _run_once(cfg, engine, task)
-    items = [proxy_item(run), None, tool_item(run, engine), history_item(run, tokenizer), end_item(run)]
+    declared = getattr(getattr(harness, "definition", None), "api", "")  # a configured harness names its API
+    items = [proxy_item(run, declared), None, tool_item(run, engine), history_item(run, tokenizer), end_item(run)]
     limits = ModelLimits(context_tokens=CHECK_CONTEXT, max_output_tokens=cfg.sampling.max_tokens)
     if harness.compaction_threshold(limits) is None:
         items[1] = not_applicable(AREA, "context", f"{harness.name} never compacts: it has no context setting, "
@@ -236,7 +237,7 @@ async def check_harness(cfg: Config, target: str) -> CheckReport:
 # --------------------------------------------------------------------------- the lines
 
 
-def proxy_item(run: _Run) -> Item:
+def proxy_item(run: _Run, declared: str = "") -> Item:
     requests = run.result.requests if run.result else {}
     if not run.calls:
         tail = (run.result.output_tail if run.result else run.record.error if run.record else "")[-400:].strip()
@@ -245,6 +246,9 @@ def proxy_item(run: _Run) -> Item:
     seen = ", ".join(f"{n} {kind}" for kind, n in sorted(requests.items()))
     routes = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "anthropic": "/v1/messages"}
     dialects = sorted({c.dialect for c in run.calls})
+    if declared and dialects != [declared]:
+        return failed(AREA, "proxy", f"declared api = {declared!r}, but it spoke {', '.join(dialects)} ({seen} requests)",
+                      "set `api` to the dialect it speaks")
     return passed(AREA, "proxy", f"{len(run.calls)} model calls on {', '.join(routes[d] for d in dialects)} "
                   f"({seen} requests)")
 
