@@ -10,6 +10,7 @@
     python -m polar_fast view --run runs/default [--port P] [--host H --key SECRET]
     python -m polar_fast sft --config run.toml --data sft/ [--out DIR] [--epochs N] [--lr X]
     python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
+    python -m polar_fast harnesses check NAME|FILE [--config run.toml] [--json PATH]   # exits 1 when a line fails
     python -m polar_fast tasks validate SOURCE [--config run.toml] [--split S] [--limit N] [--json PATH]
 
 Errors a user can fix (bad config, output dir in use, missing model) print one line and exit 2.
@@ -80,9 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     harnesses = sub.add_parser("harnesses", help="the harness CLI bundles")
     harness_sub = harnesses.add_subparsers(dest="harness_command", required=True)
     install = harness_sub.add_parser("install", help="build and cache harness bundles; prints `name path` per bundle")
-    install.add_argument("names", nargs="*", help="harnesses: mini-swe-agent, codex, claude-code, qwen-code, pi")
+    install.add_argument("names", nargs="*", help="harnesses: mini-swe-agent, codex, claude-code, qwen-code, pi, or a definition file")
     install.add_argument("--all", action="store_true", help="every harness")
     install.add_argument("--bundle-root", type=Path, default=None, help="default ~/.cache/polar_fast/harnesses")
+    check = harness_sub.add_parser("check", help="does a harness train exactly? runs it through the proxy with a "
+                                   "scripted model; exits 1 when a line fails")
+    check.add_argument("target", help="a harness name, or a TOML file declaring one (docs/harnesses.md)")
+    check.add_argument("--config", type=Path, help="run.toml: its model, [sampling], [sandbox], [harness]")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    check.add_argument("--json", type=Path, default=None, help="also write the report here")
     tasks = sub.add_parser("tasks", help="task sets")
     tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True)
     validate = tasks_sub.add_parser("validate", help="run each task's reference patch (must pass) and the empty "
@@ -104,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "harnesses" and args.harness_command == "check":
+            return _check_harness(load_config(args.config, args.overrides), args.target, args.json)
         if args.command == "harnesses":
             return _install_harnesses(parser, args.names, every=args.all, bundle_root=args.bundle_root)
         if args.command == "export":
@@ -118,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(serve_view(args.run, host=args.host, port=args.port, key=args.key))
             return 0
         cfg = load_config(args.config, args.overrides)
+        from polar_fast.rollouts.harnesses import run_harness
+
+        run_harness(cfg.harness)  # a bad harness definition: one line, before anything starts
         if args.command == "tasks":
             return _validate_tasks(cfg, args)
         if args.command == "serve":
@@ -220,6 +232,19 @@ def _validate_tasks(cfg: Config, args: argparse.Namespace) -> int:
     return 0 if all(c.verdict == HOLDS for c in checks) else 1
 
 
+def _check_harness(cfg: Config, target: str, json_out: Path | None) -> int:
+    """Exit 0 when no line of `harnesses check` fails, 1 when one does."""
+    import msgspec
+
+    from polar_fast.preflight.harness_check import check_harness, format_report
+
+    report = uvloop.run(check_harness(cfg, target))
+    print(format_report(report))
+    if json_out is not None:
+        json_out.write_bytes(msgspec.json.encode(report))
+    return 0 if report.ok else 1
+
+
 def _install_harnesses(parser: argparse.ArgumentParser, names: list[str], *, every: bool,
                        bundle_root: Path | None) -> int:
     """Build (or find cached) harness bundles; a no-op for those already cached."""
@@ -228,7 +253,7 @@ def _install_harnesses(parser: argparse.ArgumentParser, names: list[str], *, eve
     if not every and not names:
         parser.error("harnesses install: name harnesses to install, or --all")
     try:
-        harnesses = list(HARNESSES.values()) if every else [get_harness(n) for n in names]
+        harnesses = list(HARNESSES.values()) if every else [_named(n) for n in names]
     except ValueError as e:
         parser.error(str(e))
     root = bundle_root or default_bundle_root()
@@ -239,3 +264,12 @@ def _install_harnesses(parser: argparse.ArgumentParser, names: list[str], *, eve
             raise BundleError(f"install {harness.name}: {e}") from None
         print(f"{harness.name} {path}", flush=True)
     return 0
+
+
+
+def _named(target: str):
+    """A built-in harness by name, or the one a definition file declares."""
+    from polar_fast.config import HarnessConfig
+    from polar_fast.rollouts.harnesses import run_harness, select
+
+    return run_harness(select(HarnessConfig(), target))

@@ -107,7 +107,9 @@ class SandboxConfig(_Section):
 class HarnessConfig(_Section):
     """Which coding agent runs the tasks."""
 
-    name: Literal["mini-swe-agent", "codex", "claude-code", "qwen-code", "pi"] = "mini-swe-agent"
+    name: str = "mini-swe-agent"  # a built-in harness, or the one `file` / `define` declares
+    file: str = ""  # a TOML file declaring a harness (docs/harnesses.md); "" = none
+    define: dict[str, Any] = {}  # a harness declared inline, the same keys as `file`; {} = none
     bundle_dir: str = ""  # where harness installs are cached; "" = ~/.cache/polar_fast/harnesses
     timeout_s: float = 1800.0  # hard limit per agent run; the whole process tree is killed
     max_steps: int = 30  # harness turn limit where the harness has one
@@ -315,7 +317,7 @@ def parse_config(raw: dict[str, Any], *, source: str = "<dict>") -> Config:
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {_explain(str(e))}") from None
+        raise ConfigError(f"{source}: {explain_validation(str(e))}") from None
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -338,7 +340,8 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _explain(message: str) -> str:
+def explain_validation(message: str) -> str:
+    """msgspec's validation message, with its `$.a.b` path turned into the key `a.b`."""
     # msgspec says "Expected `int`, got `str` - at `$.learner.steps`"; turn the path into a key.
     match = re.search(r" - at `\$\.?(.*)`$", message)
     where = match.group(1).replace("[", ".").replace("]", "") if match else ""

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import msgspec
 
 from polar_fast.config import Config
-from polar_fast.errors import PolarError
+from polar_fast.errors import ConfigError, PolarError
 from polar_fast.pools import Pools
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
@@ -190,7 +190,7 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
     `engine_for(cfg)` replaces the configured engine (tests: a scripted one). `purpose` labels
     the rollout records: "eval" (held-out tasks, checked by heldout_tasks; never exported) or
     "demo" (the warm start's teacher demonstrations, exported for sft; no held-out check)."""
-    from polar_fast.rollouts.harnesses import HARNESSES
+    from polar_fast.rollouts.harnesses import get_harness
     from polar_fast.rollouts.stack import open_rollouts
 
     emit = emit or (lambda kind, data: None)
@@ -200,9 +200,11 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
     if samples < 1:
         raise EvalError(f"samples must be >= 1, got {samples}")
     names = list(harnesses) or [cfg.harness.name]
-    unknown = [h for h in names if h not in HARNESSES]
-    if unknown:
-        raise EvalError(f"unknown harness {', '.join(unknown)}; known: {', '.join(sorted(HARNESSES))}")
+    for name in names:
+        try:
+            await asyncio.to_thread(get_harness, name, cfg.harness)  # a definition file is read
+        except ConfigError as e:
+            raise EvalError(str(e).replace("key 'harness.name': ", "")) from None
     if max(ks) > samples:
         emit("info", {"message": f"pass@{max(ks)} needs >= {max(ks)} samples per task; --samples is {samples}"})
     split = split or cfg.eval.split
@@ -266,7 +268,7 @@ def collect_provenance(cfg: Config, harnesses: Sequence[str]) -> dict:
     root = bundle_root(cfg.harness.bundle_dir)
     versions = {}
     for name in harnesses:
-        versions[name] = bundle_manifest(get_harness(name).install(root))  # cached: finds the bundle
+        versions[name] = bundle_manifest(get_harness(name, cfg.harness).install(root))  # cached: finds the bundle
     model_dir = resolve_model_dir(cfg.model.path)
     return {
         "git_commit": commit, "git_dirty": dirty, "harnesses": versions,

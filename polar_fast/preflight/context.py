@@ -10,12 +10,13 @@ ends on a context error or compacts on every call, scores 0, and the GPUs train 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from polar_fast.config import Config
-from polar_fast.errors import PolarError
+from polar_fast.errors import ConfigError, PolarError
 from polar_fast.preflight import Item, failed, not_applicable, passed
-from polar_fast.rollouts.harnesses import HARNESSES, ModelLimits
+from polar_fast.rollouts.harnesses import ModelLimits, get_harness
 
 MIN_TURNS = 3  # turns the first request must leave room for
 TURN_TOKENS = 2_000  # one turn: a short reply and a tool output of ~100 lines (an assumption, not a measurement)
@@ -33,22 +34,24 @@ async def check_context(cfg: Config, prompt: str, *, measure: Callable | None = 
     measure = measure or measure_first_request
     items: list[Item] = []
     for name in harnesses_of(cfg):
-        if name not in HARNESSES:
-            items.append(failed(AREA, f"{name}", f"unknown harness {name!r}", f"use one of {', '.join(HARNESSES)}"))
+        try:
+            await asyncio.to_thread(get_harness, name, cfg.harness)  # a definition file is read
+        except ConfigError as e:
+            items.append(failed(AREA, f"{name}", str(e), "name a built-in harness or declare it (docs/harnesses.md)"))
             continue
         try:
             first: int | None = await measure(cfg, name, prompt)
             error = ""
         except PolarError as e:
             first, error = None, str(e)
-        items += harness_items(cfg, name, first, error)
+        items += await asyncio.to_thread(harness_items, cfg, name, first, error)
     return items
 
 
 def harness_items(cfg: Config, name: str, first: int | None, error: str = "") -> list[Item]:
     """The three items of one harness, given its measured first request (None: not measured)."""
     window, out = cfg.model.max_context_tokens, cfg.sampling.max_tokens
-    threshold = HARNESSES[name].compaction_threshold(ModelLimits(context_tokens=window, max_output_tokens=out))
+    threshold = get_harness(name, cfg.harness).compaction_threshold(ModelLimits(context_tokens=window, max_output_tokens=out))
     fix = (f"raise model.max_context_tokens (vLLM's --max-model-len; now {window:,}) or lower sampling.max_tokens "
            f"(now {out:,})")
     items = [_compaction(name, threshold, window, out, first, fix)]

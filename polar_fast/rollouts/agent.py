@@ -48,6 +48,7 @@ class AgentResult(msgspec.Struct, frozen=True, kw_only=True):
     n_calls: int = 0  # model calls the proxy captured for this rollout
     infra_error: str = ""  # set when the agent could not run for reasons outside it (engine down)
     causes: dict[str, int] = {}  # records.CALL_CAUSES the proxy counted over its calls
+    requests: dict[str, int] = {}  # "<dialect> stream|json" -> model requests the proxy got
     output_tail: str = ""
 
 
@@ -130,4 +131,5 @@ class HarnessAgent:
                 (session.record_failures, f"{session.record_failures} of its calls could not be recorded"),
             ) if n)
         return AgentResult(exit_code=result.exit_code, timed_out=result.timed_out, n_calls=session.n_calls,
-                           infra_error=infra, output_tail=output, causes=dict(session.causes))
+                           infra_error=infra, output_tail=output, causes=dict(session.causes),
+                           requests=dict(session.requests))

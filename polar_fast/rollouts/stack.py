@@ -93,11 +93,11 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
                          engine: Engine | None = None) -> AsyncIterator[Rollouts]:
     from polar_fast.engines import build_engine
     from polar_fast.proxy import open_proxy
-    from polar_fast.rollouts.harnesses import bundle_root, get_harness
+    from polar_fast.rollouts.harnesses import bundle_root, run_harness
     from polar_fast.rollouts.sandboxes import sandbox_class
 
     emit = emit or (lambda kind, data: None)
-    harness = get_harness(cfg.harness.name)
+    harness = await asyncio.to_thread(run_harness, cfg.harness)  # a bad definition stops here, before anything boots
     emit("info", {"message": f"installing harness {harness.name} (cached after the first run)"})
     bundle = await asyncio.to_thread(harness.install, bundle_root(cfg.harness.bundle_dir))
     if engine is None:

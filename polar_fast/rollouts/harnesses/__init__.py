@@ -19,6 +19,8 @@ from typing import Protocol
 
 import msgspec
 
+from polar_fast.config import HarnessConfig
+from polar_fast.errors import ConfigError
 from polar_fast.rollouts.harnesses.bundles import MANIFEST, BundleError, bundle_root, default_bundle_root
 
 
@@ -36,7 +38,9 @@ class AgentCommand(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Harness(Protocol):
-    name: str  # "mini-swe-agent" | "codex" | "claude-code" | "qwen-code" | "pi"
+    name: str  # "mini-swe-agent" | "codex" | "claude-code" | "qwen-code" | "pi" | a configured one
+    # optional attributes: format_error_markers (texts that mark a rejected reply) and
+    # end_command (the shell command that ends its task, for `harnesses check`)
 
     def install(self, bundle_root: Path) -> Path:
         """Build (or find cached) this harness's bundle under bundle_root; returns the bundle dir."""
@@ -78,13 +82,35 @@ def bundle_manifest(bundle: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"bundle": Path(bundle).name}
 
 
-def get_harness(name: str) -> Harness:
+def get_harness(name: str, config: HarnessConfig | None = None) -> Harness:
+    """A built-in harness, or the one `config` (the run's [harness]) declares under that name."""
+    from polar_fast.rollouts.harnesses.configured import ConfiguredHarness, load_definition
+
+    defined = load_definition(config, reserved=tuple(HARNESSES)) if config is not None else None
+    if defined is not None and defined.name == name:
+        return ConfiguredHarness(defined)
     try:
         return HARNESSES[name]
     except KeyError:
-        known = ", ".join(sorted(HARNESSES))
-        raise ValueError(f"unknown harness {name!r}; known harnesses: {known}") from None
+        known = ", ".join(sorted(HARNESSES) + ([defined.name] if defined else []))
+        raise ConfigError(f"key 'harness.name': unknown harness {name!r}; known harnesses: {known}"
+                          + ("" if defined else " (or declare one: harness.file / harness.define)")) from None
+
+
+def select(config: HarnessConfig, target: str) -> HarnessConfig:
+    """`config` set to run `target`: a harness name, or a TOML file declaring one (by its path)."""
+    if not (target.endswith(".toml") or "/" in target):
+        return msgspec.structs.replace(config, name=target)
+    from polar_fast.rollouts.harnesses.configured import definition_from_file
+
+    name = definition_from_file(target, reserved=tuple(HARNESSES)).name
+    return msgspec.structs.replace(config, name=name, file=target, define={})
+
+
+def run_harness(config: HarnessConfig) -> Harness:
+    """The harness a run uses (`harness.name`), its definition checked: call before anything boots."""
+    return get_harness(config.name, config)
 
 
 __all__ = ["AgentCommand", "BundleError", "HARNESSES", "Harness", "ModelLimits", "bundle_manifest",
-           "bundle_root", "default_bundle_root", "get_harness"]
+           "bundle_root", "default_bundle_root", "get_harness", "run_harness", "select"]

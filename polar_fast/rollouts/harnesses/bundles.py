@@ -168,7 +168,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def install_npm_harness(bundle_root: Path, name: str, packages: dict[str, str], bin_name: str,
-                        *, with_node: bool = True) -> Path:
+                        *, with_node: bool = True, check_args: list[str] | None = None) -> Path:
     """Bundle = node_modules of `packages` (+ `bin/node`) and a `bin/<bin_name>` wrapper that runs
     `node_modules/.bin/<bin_name>` (with the bundled node unless the CLI is a native binary)."""
     node = node_runtime(bundle_root) if with_node else None
@@ -183,7 +183,7 @@ def install_npm_harness(bundle_root: Path, name: str, packages: dict[str, str], 
                      f'#!/bin/sh\nd=$(cd "$(dirname "$0")" && pwd)\nexec {entry} "$@"\n')
 
     spec = {"packages": packages, "node": NODE_VERSION if with_node else None, "arch": platform.machine()}
-    return build_bundle(bundle_root, name, spec, build, [f"bin/{bin_name}", "--version"])
+    return build_bundle(bundle_root, name, spec, build, [f"bin/{bin_name}", *(check_args or ["--version"])])
 
 
 def python_for_bundles() -> str:
@@ -207,3 +207,17 @@ def pip_install_target(target: Path, requirements: list[str], *, what: str) -> N
     # The bundle is mounted read-only; without .pyc files every run would recompile litellm.
     # A few shipped files (py2 examples, templates) never compile; that is not an error.
     run([python, "-m", "compileall", "-q", "-j", "0", str(target)], what=f"{what} compileall", check=False)
+
+
+def python_module_wrapper(module: str, prog: str) -> str:
+    """`bin/<prog>`: runs `module` with the bundle's `site/` first on sys.path (put there by the
+    wrapper, not PYTHONPATH, so the agent's own shell commands see the task's Python untouched)."""
+    return f"""#!/bin/sh
+d=$(cd "$(dirname "$0")/.." && pwd)
+exec python{PYTHON_VERSION} -I -B -c '
+import runpy, sys
+sys.path.insert(0, sys.argv.pop(1))
+sys.argv[0] = "{prog}"
+runpy.run_module("{module}", run_name="__main__", alter_sys=True)
+' "$d/site" "$@"
+"""

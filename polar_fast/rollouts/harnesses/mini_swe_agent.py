@@ -20,27 +20,21 @@ from polar_fast.rollouts.harnesses.bundles import (
     PYTHON_VERSION,
     build_bundle,
     pip_install_target,
+    python_module_wrapper,
     write_script,
 )
 from polar_fast.rollouts.harnesses.env import base_env
 
 REQUIREMENT = "mini-swe-agent==2.4.6"
 
-_WRAPPER = f"""#!/bin/sh
-d=$(cd "$(dirname "$0")/.." && pwd)
-exec python{PYTHON_VERSION} -I -B -c '
-import runpy, sys
-sys.path.insert(0, sys.argv.pop(1))
-sys.argv[0] = "mini"
-runpy.run_module("minisweagent.run.mini", run_name="__main__", alter_sys=True)
-' "$d/site" "$@"
-"""
+_WRAPPER = python_module_wrapper("minisweagent.run.mini", "mini")
 
 
 class MiniSweAgent:
     name = "mini-swe-agent"
     # mini.yaml's format_error_template, which it sends back after a reply it cannot use
     format_error_markers = ("Tool call error:", "reached the output token limit")
+    end_command = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # it ends when its bash tool prints this
 
     def compaction_threshold(self, limits: ModelLimits) -> None:
         return None  # its prompt only grows: the context caps the run
