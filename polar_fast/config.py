@@ -102,6 +102,9 @@ class SandboxConfig(_Section):
     workdir: str = "/testbed"  # repo location inside the sandbox
     user: str = "1000:1000"  # docker: uid:gid every command in the box runs as (never root)
     read_only_root: bool = True  # docker: image file system read-only; repo and /tmp stay writable
+    # docker: MiB each writable file system of a box holds (the repo at workdir, its copy of the
+    # image's repo included; /tmp); a write past it gets ENOSPC in the box. 0 = unbounded
+    disk_mb: int = 1024
 
 
 class HarnessConfig(_Section):
@@ -216,6 +219,9 @@ class RunConfig(_Section):
     partial_group_after_s: float = 0.0  # > 0: train a group without stragglers that waited this long (biased); 0 = off
     seed: int = 0
     checkpoint_every: int = 1  # steps
+    # MiB that must stay free on Docker's data root and on output_dir, beyond sandbox.disk_mb,
+    # before a new box boots; boots wait until there is room
+    min_free_disk_mb: int = 2048
     tensorboard: bool = True
 
 

@@ -160,7 +160,7 @@ async def _instant_score(box, task, diff, *, timeout_s):
 
 @pytest.fixture
 async def docker(base_image):
-    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=1.0, memory_mb=512),
+    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=1.0, memory_mb=512, disk_mb=128),
                              run_id=f"pools-{uuid.uuid4().hex[:6]}")
     yield f
     await f.remove_leftovers()

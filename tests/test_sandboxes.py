@@ -25,7 +25,7 @@ def kind(request):
 
 @pytest.fixture
 async def factory(kind):
-    f = make_sandbox_factory(SandboxConfig(kind=kind, cpus=1.0, memory_mb=512, pids_limit=128),
+    f = make_sandbox_factory(SandboxConfig(kind=kind, cpus=1.0, memory_mb=512, pids_limit=128, disk_mb=128),
                              run_id=f"t-{uuid.uuid4().hex[:8]}")
     yield f
     await f.remove_leftovers()
@@ -121,7 +121,7 @@ async def test_docker_limits_labels_and_no_network(base_image):
     from polar_fast.rollouts.sandboxes import RUN_LABEL
 
     run_id = f"t-{uuid.uuid4().hex[:8]}"
-    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=0.5, memory_mb=256, pids_limit=64), run_id=run_id)
+    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=0.5, memory_mb=256, pids_limit=64, disk_mb=64), run_id=run_id)
     try:
         async with f.open(SandboxSpec(name="limits")) as box:
             info = await box.container.show()

@@ -19,7 +19,7 @@ import pytest
 
 from polar_fast import merge
 from polar_fast.config import parse_config
-from polar_fast.records import read_log
+from polar_fast.records import Outcome, RunEndRecord, read_log
 from polar_fast.rollouts.tasks import load_builtin
 from polar_fast.train import RunError, train
 from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
@@ -85,8 +85,13 @@ async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path):
 def check_run_files(run, step) -> None:
     contents = read_log(run / "records.log")
     assert contents.torn_bytes == 0
-    rewards = {r.rollout_id: r.reward for r in contents.rollouts}
+    # the group it trained; a group that started meanwhile was still in flight when the run ended
+    rewards = {r.rollout_id: r.reward for r in contents.rollouts if r.outcome is not Outcome.ABANDONED}
     assert sorted(rewards.values()) == [0.0, 1.0]
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and end.reason == "finished: 1 of 1 steps done" and end.step == 1
+    abandoned = [r for r in contents.rollouts if r.outcome is Outcome.ABANDONED]
+    assert end.abandoned == len(abandoned) and all("the run ended (finished" in r.error for r in abandoned)
     calls = contents.calls
     assert len(calls) == 4 and {c.policy_version for c in calls} == {0}
     by_rollout = {}

@@ -4,10 +4,15 @@ Full (unsharded) state dicts via torch.distributed.checkpoint.state_dict, which 
 for a plain module and an FSDP2-sharded one; rank 0 writes `step_<N>.pt` atomically and
 `latest` names the newest. Resume restores the RNGs, so a resumed run draws the same numbers
 as an uninterrupted one.
+
+A write that fails (disk full, permission) raises CheckpointError on every rank, with the file
+and the error; its `.tmp` file is removed, and `latest` still names the previous checkpoint,
+which stays whole: the run stops there and `--resume` continues from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from polar_fast.errors import PolarError
+
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class CheckpointError(PolarError):
+    """A checkpoint could not be written; the previous one is untouched."""
 
 
 def _rank() -> int:
@@ -46,22 +57,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, version: int
 ) -> Path:
-    """Write step_<step>.pt (rank 0 only; every rank must call it) and point `latest` at it."""
+    """Write step_<step>.pt (rank 0 only; every rank must call it) and point `latest` at it.
+    CheckpointError on every rank when rank 0 could not."""
     directory = Path(directory)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
     path = directory / f"step_{step}.pt"
+    failed = [""]
     if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         payload = {"model": model_sd, "optimizer": optim_sd, "step": step, "version": version,
                    "rng": rng_state()}
-        torch.save(payload, tmp)
-        tmp.replace(path)
-        (directory / "latest.tmp").write_text(path.name)
-        (directory / "latest.tmp").replace(directory / "latest")
+        failed[0] = _write(directory, path, payload)
     if dist.is_initialized():
-        dist.barrier()
+        dist.broadcast_object_list(failed, src=0)  # also the barrier: no rank runs ahead of the write
+    if failed[0]:
+        raise CheckpointError(failed[0])
     return path
+
+
+def _write(directory: Path, path: Path, payload: dict[str, Any]) -> str:
+    """Write `path` then `latest` through .tmp files renamed into place; "" or why it failed."""
+    tmp, latest_tmp = path.with_name(path.name + ".tmp"), directory / "latest.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, tmp)  # torch's zip writer fails with a RuntimeError, the file system with OSError
+        tmp.replace(path)
+        latest_tmp.write_text(path.name)
+        latest_tmp.replace(directory / "latest")
+        return ""
+    except (OSError, RuntimeError) as e:
+        for leftover in (tmp, latest_tmp):
+            with contextlib.suppress(OSError):
+                leftover.unlink(missing_ok=True)
+        previous = latest_checkpoint(directory) if (directory / "latest").is_file() else None
+        kept = f"the previous checkpoint {previous} is whole" if previous else "there is no earlier checkpoint"
+        return (f"cannot write checkpoint {path}: {type(e).__name__}: {str(e).strip()[-300:]}. The run stops here; "
+                f"{kept}. Free space (or fix permissions) under {directory} and continue with --resume")
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

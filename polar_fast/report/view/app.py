@@ -109,8 +109,16 @@ async def api_run(request: web.Request) -> web.Response:
     notes = [metrics_note] if metrics_note else []
     if not data.has_log:
         notes.append("no records.log yet: nothing has been captured")
+    ended = data.ended
+    if data.live:
+        state = "running"
+    elif ended is not None:
+        state = f"ended: {ended.reason}"
+    else:
+        state = "ended without a run-end marker: killed or crashed" if data.has_log else "not started"
     return web.json_response({
-        "run_dir": str(data.run_dir), "config": data.config,
+        "run_dir": str(data.run_dir), "config": data.config, "state": state, "live": data.live,
+        "steps": data.learner_steps(metrics),
         "rollouts": len(data.rollouts), "outcomes": data.outcome_counts(),
         "torn": {"bytes": data.torn_bytes, "reason": data.torn_reason} if data.torn_bytes else None,
         "metrics": metrics, "notes": notes,
@@ -153,10 +161,14 @@ def group_status(members: list[RolloutRow], decision: dict | None) -> dict[str, 
     group too many policy versions behind is withheld)."""
     rewards = {r.rollout_id: r.reward for r in members}
     running = [r for r in members if r.outcome == "running"]
+    abandoned = [r for r in members if r.outcome == "abandoned"]
     scored = [r.reward for r in members if r.outcome != "infra_error" and r.reward is not None]
     status = (decision or {}).get("status")
     if running:
         text, trained = f"not trained yet: {len(running)} of its rollouts still running", False
+    elif abandoned and status != "trained":
+        text, trained = (f"did not train: the run ended before the group finished ({len(abandoned)} of its "
+                         "rollouts abandoned)"), False
     elif status == "withheld":
         text, trained = (f"did not train: withheld, its calls were more than run.max_staleness policy versions "
                          f"behind the learner (step {decision.get('step')})"), False
