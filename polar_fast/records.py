@@ -13,6 +13,10 @@ turns into chat data. It is kept apart so the training path never decodes text i
 A process killed mid-write leaves at most one torn frame at the end; `read_log` returns every
 complete record before it and reports the torn tail instead of raising, so nothing captured
 before a crash is lost. Appends reopen nothing and never rewrite earlier bytes.
+
+A run closes its part of the log: each rollout it leaves in flight gets a RolloutRecord with
+outcome `abandoned`, then a `RunEndRecord` says why the run ended. The writer holds an flock on
+the file, so `log_in_use` tells a live run from one that was killed (no marker, no lock).
 """
 
 from __future__ import annotations

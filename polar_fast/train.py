@@ -124,6 +124,13 @@ def check_run(cfg: Config) -> None:
                        "engine.kind = \"vllm\" and a cuda learner, or weight_sync = \"disk\"")
 
 
+def _single_error(error: BaseException) -> BaseException:
+    """The one error inside nested task-group wrappers, else the group itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 async def _close_crashed_run(rollouts, run_dir: Path, step: int, emit: Emit) -> None:
     """Before a resumed run logs anything: when the run before it was killed or crashed (its log
     does not end in a RunEndRecord), an `abandoned` record for each rollout it left without an
@@ -205,6 +212,11 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                 finally:
                     await loop.record_end()
         await asyncio.to_thread(distributed.stop_followers, learner)
+    except BaseExceptionGroup as group:  # the stack's task groups wrap what the run raised
+        error = _single_error(group)
+        if isinstance(error, PolarError):  # one of ours, with its message for the user
+            raise error from None
+        raise
     finally:
         await asyncio.to_thread(metrics.close)
     return summary
@@ -246,10 +258,10 @@ class _Loop:
                     pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
                     status.cancel()
         except BaseExceptionGroup as group:
-            [first, *_] = group.exceptions
-            self.failed(first)
-            if len(group.exceptions) == 1 and isinstance(first, PolarError):
-                raise first from None
+            error = _single_error(group)
+            self.failed(error)
+            if isinstance(error, PolarError):
+                raise error from None
             raise
         if self.summary.stopped_early:
             self.end_reason = f"stopped: {self.stopped_by() or 'stop requested'}"

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import anyio
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from polar_fast import merge
 from polar_fast.config import parse_config
 from polar_fast.records import Outcome, RunEndRecord, read_log
+from polar_fast.report.view.browser import view_server
 from polar_fast.rollouts.tasks import load_builtin
 from polar_fast.train import RunError, train
 from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
@@ -182,19 +184,35 @@ def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, d
     with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         try:
             # step 1 is checkpointed and the next group is already running
-            wait_for(lambda: (out / "checkpoints" / "step_1.pt").exists()
+            wait_for(lambda: (out / "checkpoints" / "step_1.pt").exists() and (out / "metrics.jsonl").exists()
                      and len(read_log(out / "records.log").calls) > 4, 600, proc)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     before = read_log(out / "records.log")
     assert len(before.calls) > 4
+    # no run-end marker and no live writer: view shows the rollouts the kill cut off as abandoned
+    ended = {r.rollout_id for r in before.rollouts}
+    cut_off = {c.rollout_id for c in before.calls} - ended
+    assert cut_off and not isinstance(before.records[-1], RunEndRecord)
+    with view_server(out) as url:
+        rows = json.loads(urllib.request.urlopen(url + "api/rollouts?outcome=abandoned&limit=500", timeout=120).read())["rows"]
+        run = json.loads(urllib.request.urlopen(url + "api/run", timeout=120).read())
+    assert {r["rollout_id"] for r in rows} == cut_off
+    assert all("without a run-end marker (killed or crashed)" in r["error"] for r in rows)
+    assert run["state"] == "ended without a run-end marker: killed or crashed" and run["steps"] == 1
 
     resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
 
     after = read_log(out / "records.log")
     assert after.records[: len(before.records)] == before.records  # nothing captured was lost
+    # the resumed run first closed the killed one: its cut-off rollouts abandoned, then a crashed marker
+    closing = after.records[len(before.records): len(before.records) + len(cut_off) + 1]
+    assert {r.rollout_id for r in closing[:-1]} == cut_off
+    assert all(r.outcome is Outcome.ABANDONED and "killed or crashed" in r.error for r in closing[:-1])
+    assert isinstance(closing[-1], RunEndRecord) and closing[-1].reason.startswith("crashed")
+    assert isinstance(after.records[-1], RunEndRecord) and after.records[-1].reason == "finished: 2 of 2 steps done"
     assert len(after.calls) > len(before.calls) and after.torn_bytes == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # the same step numbering across the kill
@@ -224,22 +242,74 @@ async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path,
     assert sorted(r.reward for r in contents.rollouts) == [0.0, 1.0]
 
 
+STOP_MARK = "polar-stopped-while-this-runs"
+
+
+def running(marker: str) -> bool:
+    """Whether a process of this machine has `marker` on its command line (a local box's command)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_records_the_rollout_in_flight_and_exits_0(tmp_path):
+    """SIGINT while the first rollout's command runs: the run stops, saves a checkpoint, and
+    records that rollout as abandoned (why, and its one call), then its end; `view` shows both."""
     out = tmp_path / "run"
-    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False})
+    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False}, replies=[bash_call(f"sleep 300 # {STOP_MARK}")])
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        wait_for(lambda: (out / "records.log").exists() and read_log(out / "records.log").calls, 300, proc)
+        wait_for(lambda: running(STOP_MARK), 300, proc)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
-    assert "stopped early on request" in output
+    assert "stopped early on request" in output and "abandoned 1" in output
     assert list((out / "checkpoints").glob("step_*.pt"))
-    assert read_log(out / "records.log").torn_bytes == 0
+    contents = read_log(out / "records.log")
+    assert contents.torn_bytes == 0
+    rollout_id = f"{TASK.instance_id}-g0-r0"
+    [abandoned] = contents.rollouts  # one agent slot and one box: the only rollout in flight
+    assert (abandoned.rollout_id, abandoned.outcome, abandoned.reward, abandoned.n_calls) == (
+        rollout_id, Outcome.ABANDONED, None, 1)
+    assert abandoned.error == "the run ended (stopped: SIGINT), while running the agent (1 model calls)"
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and (end.reason, end.step, end.abandoned) == ("stopped: SIGINT", 0, 1)
+    show_in_browser(out, rollout_id, tmp_path)
+
+
+def show_in_browser(run, rollout_id: str, tmp_path) -> None:
+    """The stopped run in `view` and a headless browser: the rollout reads abandoned, and why."""
+    from test_view import css, wait_ready
+
+    from polar_fast.report.view import browser
+    from polar_fast.report.view.browser import chromium, view_server
+
+    if not browser.browser_available():
+        if os.environ.get("CI") or os.environ.get("POLAR_REQUIRE_BROWSER"):
+            pytest.fail("chromium and chromium-driver are missing (scripts/test.sh installs them)")
+        pytest.skip("no chromium/chromium-driver: apt-get install -y chromium chromium-driver")
+    with view_server(run) as url, chromium() as d:
+        d.get(f"{url}rollouts?outcome=abandoned")
+        wait_ready(d)
+        assert [tr.get_attribute("data-rollout-id") for tr in css(d, "tr[data-rollout-id]")] == [rollout_id]
+        d.get(f"{url}rollouts/{rollout_id}")
+        wait_ready(d)
+        d.save_screenshot(str(tmp_path / "abandoned.png"))
+        assert css(d, "#outcome")[0].text == "abandoned"
+        assert "the run ended (stopped: SIGINT), while running the agent" in css(d, "#main")[0].text
+        d.get(url)
+        wait_ready(d)
+        assert css(d, "#run-state")[0].text == "ended: stopped: SIGINT"
+        assert css(d, "h2")[0].text.startswith("Run: 0 step(s)")
 
 
 @pytest.mark.anyio

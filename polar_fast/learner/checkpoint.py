@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +89,25 @@ def _write(directory: Path, path: Path, payload: dict[str, Any]) -> str:
         for leftover in (tmp, latest_tmp):
             with contextlib.suppress(OSError):
                 leftover.unlink(missing_ok=True)
+        why = f"{type(e).__name__}: {str(e).strip()[-300:]}"
+        with contextlib.suppress(OSError):  # torch's zip writer does not say ENOSPC: the free space does
+            need, free = _tensor_bytes(payload), shutil.disk_usage(directory).free
+            if free < need:
+                why = f"No space left on device ({free >> 20} MiB free, the checkpoint needs about {need >> 20} MiB); {why}"
         previous = latest_checkpoint(directory) if (directory / "latest").is_file() else None
         kept = f"the previous checkpoint {previous} is whole" if previous else "there is no earlier checkpoint"
-        return (f"cannot write checkpoint {path}: {type(e).__name__}: {str(e).strip()[-300:]}. The run stops here; "
-                f"{kept}. Free space (or fix permissions) under {directory} and continue with --resume")
+        return (f"cannot write checkpoint {path}: {why}. The run stops here; {kept}. Free space (or fix "
+                f"permissions) under {directory} and continue with --resume")
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

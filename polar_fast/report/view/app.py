@@ -131,11 +131,11 @@ def _matches(row: RolloutRow, q: str, outcome: str) -> bool:
     return not q or any(q in str(v).lower() for v in (row.rollout_id, row.task_id, row.harness, row.group_id))
 
 
-def _sort_key(field: str):
-    def key(row: RolloutRow) -> tuple:
-        value = getattr(row, field)
-        return (value is None, value if value is not None else 0)
-    return key
+def _sorted(rows: list[RolloutRow], field: str, desc: bool) -> list[RolloutRow]:
+    """By `field`, either way, with rows that have no value (no reward yet, or never) last."""
+    have = [r for r in rows if getattr(r, field) is not None]
+    have.sort(key=lambda r: getattr(r, field), reverse=desc)
+    return have + [r for r in rows if getattr(r, field) is None]
 
 
 async def api_rollouts(request: web.Request) -> web.Response:
@@ -150,7 +150,7 @@ async def api_rollouts(request: web.Request) -> web.Response:
     if field not in SORTABLE:
         raise web.HTTPBadRequest(reason=f"cannot sort by {field!r}; one of {', '.join(SORTABLE)}")
     rows = [r for r in data.rollouts.values() if _matches(r, q.get("q", "").lower(), q.get("outcome", ""))]
-    rows.sort(key=_sort_key(field), reverse=q.get("desc") == "1")
+    rows = _sorted(rows, field, q.get("desc") == "1")
     return web.json_response({"total": len(data.rollouts), "matching": len(rows), "offset": offset,
                               "rows": [r.as_json() for r in rows[offset: offset + limit]]})
 
