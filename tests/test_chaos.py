@@ -375,8 +375,8 @@ FILL_BOX = bash_call(f"dd if=/dev/zero of=.git/filler bs=1M count={2 * BOX_DISK_
 def _box_usage(container: str, docker_root: str) -> dict:
     """What a box holds, seen from inside (df of its repo and /tmp) and from the host (its
     writable layer, the data root's file system, its memory cgroup)."""
-    df = _docker("exec", container, "df", "-k", "--output=target,used,size", "/testbed", "/tmp").split()
-    used = {df[i]: (int(df[i + 1]) >> 10, int(df[i + 2]) >> 10) for i in range(3, len(df), 3)}
+    df = _docker("exec", container, "df", "-k", "--output=used,size,target", "/testbed", "/tmp").splitlines()[1:]
+    used = {target: (int(kb) >> 10, int(size_kb) >> 10) for kb, size_kb, target in (line.split() for line in df)}
     size_rw = int(_docker("inspect", "--size", "--format", "{{.SizeRw}}", container).strip() or 0)
     memory = _docker("stats", "--no-stream", "--format", "{{.MemUsage}}", container).strip()
     return {"df_mb": used, "size_rw_bytes": size_rw, "host_used_mb": shutil.disk_usage(docker_root).used >> 20,
@@ -397,7 +397,7 @@ async def test_a_box_that_fills_its_disk_is_scored_and_the_host_disk_is_untouche
     cfg = parse_config(raw)
     out = tmp_path / "run"
     run_id = await anyio.to_thread.run_sync(run_id_for, out)
-    docker_root = _docker("info", "--format", "{{.DockerRootDir}}").strip()
+    docker_root = (await anyio.to_thread.run_sync(_docker, "info", "--format", "{{.DockerRootDir}}")).strip()
     before_mb = (await anyio.to_thread.run_sync(shutil.disk_usage, docker_root)).used >> 20
     seen: list[dict] = []
     infos: list[str] = []

@@ -490,8 +490,8 @@ async def _read_stream(stream, out: bytearray, err: bytearray, cut: list[bool]) 
 async def _feed(stream, data: bytes | AsyncIterable[bytes]) -> None:
     """Write an exec's stdin, then end it while its output keeps flowing: aiodocker's
     Stream.close() ends both directions, so the half-close goes to its transport. A command
-    that exits without reading everything just ends the feed."""
-    with contextlib.suppress(OSError, RuntimeError):
+    that exits without reading everything just ends the feed (its connection may be gone)."""
+    with contextlib.suppress(OSError, RuntimeError, AttributeError):
         if isinstance(data, bytes):
             if data:
                 await stream.write_in(data)
