@@ -21,9 +21,10 @@ removed, their calls already logged), a checkpoint is saved, and `train` returns
 second Ctrl-C cancels at once.
 
 Every stop is recorded: the rollouts the run leaves in flight (after its last step, a stop
-request, an error such as a checkpoint that cannot be written) each get an `abandoned` record
-with the reason and the calls they made, and a `RunEndRecord` closes the run. A run killed or
-crashed has no such marker; `--resume` then writes the missing `abandoned` records and a
+request, an error such as a checkpoint that cannot be written, a cancellation from outside)
+each get an `abandoned` record with the reason and the calls they made, and a `RunEndRecord`
+closes the run; the teardown that writes them is shielded, since an anyio scope cancels again
+at every await. A run killed or crashed has no such marker; `--resume` then writes the missing `abandoned` records and a
 `crashed` marker for it before it starts, so every run in the log ends with one.
 """
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+import anyio
 import msgspec
 
 from polar_fast.config import Config, groups_in_flight
@@ -218,8 +220,12 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             raise error from None
         raise
     finally:
-        await asyncio.to_thread(metrics.close)
+        with anyio.CancelScope(shield=True):
+            await asyncio.to_thread(metrics.close)
     return summary
+
+
+END_RECORD_TIMEOUT_S = 60  # writing the abandoned records and the run-end marker
 
 
 class _Loop:
@@ -277,10 +283,10 @@ class _Loop:
         self.end_reason = self.end_reason or "cancelled"
         left = [r.record for r in self.pools.abandon(f"the run ended ({self.end_reason})")
                 if r.record.rollout_id not in self._logged]
-        await self._write_end(*left)
-        for record in left:
+        for record in left:  # counted first: a cancellation may still cut the wait for the write short
             self.summary.outcomes[record.outcome.value] = self.summary.outcomes.get(record.outcome.value, 0) + 1
         self.abandoned = sum(r.outcome is Outcome.ABANDONED for r in left)
+        await self._write_end(*left)
 
     async def record_end(self) -> None:
         """The run-end marker, after everything the run logged."""
@@ -291,8 +297,9 @@ class _Loop:
     async def _write_end(self, *records) -> None:
         """Records of the run's end. When the run is already failing (the record log's disk may
         be what failed) a write that fails is reported, never put in front of that error."""
-        try:
-            await self.proxy.record(*records)
+        try:  # shielded: a run cancelled from outside (an anyio scope cancels at every await) still records its end
+            with anyio.CancelScope(shield=True), anyio.move_on_after(END_RECORD_TIMEOUT_S):
+                await self.proxy.record(*records)
         except Exception as e:
             if not self.end_reason.startswith("error"):
                 raise
@@ -329,12 +336,12 @@ class _Loop:
             return None
         get = asyncio.ensure_future(self.ready.get())
         stopped = asyncio.ensure_future(self.stop.wait())
-        done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if get in done and not self.stop.is_set():
-            return get.result()
-        get.cancel()
-        return None
+        try:
+            done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when cancelled: neither waiter outlives the call
+            stopped.cancel()
+            get.cancel()  # a no-op once it holds its group
+        return get.result() if get in done and not self.stop.is_set() else None
 
     async def _learn(self) -> None:
         cfg = self.cfg.run

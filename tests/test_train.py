@@ -286,6 +286,52 @@ def test_ctrl_c_saves_a_checkpoint_records_the_rollout_in_flight_and_exits_0(tmp
     show_in_browser(out, rollout_id, tmp_path)
 
 
+CANCEL_MARK = "polar-cancelled-while-this-runs"
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_run_cancelled_from_outside_records_its_end_and_leaves_no_task_or_listener(tmp_path):
+    """A run cancelled by an anyio scope (which cancels again at every await, unlike one Ctrl-C)
+    while a rollout's command runs: its teardown still runs whole. The rollout gets its
+    abandoned record and the run its end marker, the proxy stops listening, and no task of the
+    run outlives it (a task left waiting made the event loop's close hang)."""
+    import asyncio
+    import socket
+
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = run_config(tmp_path, run={"tensorboard": False}, proxy={"port": port},
+                     replies=[bash_call(f"sleep 300 # {CANCEL_MARK}")])
+    ours = asyncio.current_task()
+    before = asyncio.all_tasks()
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_while_it_runs() -> None:
+                while not await anyio.to_thread.run_sync(running, CANCEL_MARK):
+                    await anyio.sleep(0.2)
+                scope.cancel()
+
+            tg.start_soon(cancel_while_it_runs)
+            await train(cfg)
+    assert scope.cancelled_caught
+    assert not await anyio.to_thread.run_sync(running, CANCEL_MARK)  # the box's command is gone
+    left = [t for t in asyncio.all_tasks() - before if t is not ours and not t.done()]
+    assert left == []
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0
+    [abandoned] = contents.rollouts
+    assert (abandoned.outcome, abandoned.n_calls) == (Outcome.ABANDONED, 1)
+    assert abandoned.error == "the run ended (cancelled), while running the agent (1 model calls)"
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and (end.reason, end.abandoned) == ("cancelled", 1)
+    with pytest.raises(OSError):  # the proxy no longer listens
+        await anyio.to_thread.run_sync(lambda: socket.create_connection(("127.0.0.1", port), timeout=5).close())
+
+
 def show_in_browser(run, rollout_id: str, tmp_path) -> None:
     """The stopped run in `view` and a headless browser: the rollout reads abandoned, and why."""
     from test_view import css, wait_ready

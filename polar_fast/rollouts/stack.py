@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+import anyio
 import msgspec
 
 from polar_fast.config import Config, engine_config
@@ -127,14 +128,16 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
                     agent = HarnessAgent(proxy, harness, bundle, model=cfg.model.name, max_steps=cfg.harness.max_steps,
                                          use_socket=bool(cfg.proxy.unix_socket), limits=limits)
                     yield Rollouts(cfg, engine, proxy, agent, factory, log, run_id, leftovers, reserve)
-            finally:
-                await asyncio.to_thread(log.close)
-                await asyncio.to_thread(_remove_socket_dir, socket_dir)
+            finally:  # each teardown shielded: a block cancelled from outside still closes its parts
+                with anyio.CancelScope(shield=True):
+                    await asyncio.to_thread(log.close)
+                    await asyncio.to_thread(_remove_socket_dir, socket_dir)
         finally:
-            with contextlib.suppress(AttributeError):  # factories without resources have no aclose
-                await factory.aclose()
+            with contextlib.suppress(AttributeError), anyio.CancelScope(shield=True), anyio.move_on_after(60):
+                await factory.aclose()  # factories without resources have no aclose
     finally:
-        await engine.aclose()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(60):
+            await engine.aclose()
 
 
 def _remove_socket_dir(socket_dir: str) -> None:
