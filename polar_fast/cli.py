@@ -5,6 +5,8 @@
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
     python -m polar_fast eval --config run.toml [--checkpoint PATH] [--harness a,b] [--samples N] [--k 1,5]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
+    python -m polar_fast export-model --config run.toml --checkpoint runs/default/checkpoints --out DIR
+    python -m polar_fast check --config run.toml   # preflight: exits 1 when an item fails
     python -m polar_fast view --run runs/default [--port P] [--host H --key SECRET]
     python -m polar_fast sft --config run.toml --data sft/ [--out DIR] [--epochs N] [--lr X]
     python -m polar_fast harnesses install [NAMES...|--all] [--bundle-root DIR]
@@ -24,7 +26,7 @@ import uvloop
 from polar_fast.config import Config, load_config
 from polar_fast.errors import PolarError
 
-COMMANDS = ("train", "serve", "eval", "export", "sft", "view", "harnesses", "tasks")
+COMMANDS = ("train", "serve", "eval", "export", "export-model", "check", "sft", "view", "harnesses", "tasks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="test-verified sessions of a run as SFT data")
     evaluate = sub.add_parser("eval", help="pass@k per harness on a task split, for the base model or a checkpoint")
     sft = sub.add_parser("sft", help="fine-tune the model on token rows written by export")
-    for q in (train, serve, evaluate, sft):
+    export_model = sub.add_parser("export-model", help="a learner checkpoint as an HF model directory")
+    check = sub.add_parser("check", help="preflight before a (GPU) run: config, tasks, engine, learner memory, disk")
+    for q in (train, serve, evaluate, sft, export_model, check):
         q.add_argument("--config", type=Path, help="run.toml (defaults apply to anything it leaves out)")
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config value; repeatable")
@@ -59,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--out", type=Path, default=None, help="model directory to write (default: <run.output_dir>/sft)")
     sft.add_argument("--epochs", type=int, default=None, help="default: sft.epochs")
     sft.add_argument("--lr", type=float, default=None, help="default: sft.lr")
+    export_model.add_argument("--checkpoint", required=True,
+                              help="a learner checkpoint step_N.pt, or a checkpoints/ dir (its latest)")
+    export_model.add_argument("--out", type=Path, required=True,
+                              help="model directory to write (safetensors, config, tokenizer of model.path)")
+    check.add_argument("--nproc-per-node", type=int, default=0,
+                       help="learner ranks under torchrun (default: the GPUs in CUDA_VISIBLE_DEVICES, else 1)")
     export.add_argument("--run", type=Path, required=True, help="a run's output_dir (holds records.log)")
     export.add_argument("--out", type=Path, required=True, help="directory for the exported files")
     export.add_argument("--min-reward", type=float, default=1.0, help="keep rollouts with reward >= this")
@@ -114,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(cfg, args.host, args.port, rollouts=args.rollouts)
         if args.command == "eval":
             return _eval(cfg, args)
+        if args.command == "check":
+            from polar_fast.preflight import run_check
+
+            return run_check(cfg, nproc_per_node=args.nproc_per_node, out=sys.stdout)
+        if args.command == "export-model":
+            from polar_fast.learner.checkpoint import export_hf
+
+            print(f"model: {export_hf(args.checkpoint, cfg.model.path, args.out)}")
+            return 0
         if args.command == "sft":
             from polar_fast.grpo import Learner
             from polar_fast.learner.sft import run_sft

@@ -159,7 +159,22 @@ class LearnerConfig(_Section):
     advantage: Literal["mean_std", "mean", "leave_one_out"] = "mean_std"
     clip_low: float = 0.2
     clip_high: float = 0.28
-    max_importance_weight: float = 2.0  # truncated importance sampling cap
+    # dual-clip cap on the PPO ratio for negative advantages (beyond it the term gives no gradient);
+    # it bounds the ratio the clip sees, not the engine/learner gap: that is is_correction's job
+    max_importance_weight: float = 2.0
+    # engine/learner mismatch (docs/learning.md): "none" = PPO ratio against the behaviour logprob;
+    # "tis" = decoupled PPO, policy term weighted by min(pi_old / pi_behaviour, is_cap);
+    # "mask" = decoupled PPO, terms whose pi_old / pi_behaviour leaves [is_mask_low, is_mask_high] dropped
+    is_correction: Literal["none", "tis", "mask"] = "tis"
+    is_cap: float = 2.0  # tis: truncation C of the importance weight
+    is_mask_low: float = 0.5  # mask: the band pi_old / pi_behaviour must lie in
+    is_mask_high: float = 2.0
+    # mask: "token" drops tokens outside the band; "rollout" also drops a whole rollout when the
+    # geometric mean of its tokens' ratios leaves it (costs one extra forward per step)
+    is_mask_level: Literal["token", "rollout"] = "token"
+    # the run's first step stops before the update when the k3 KL(behaviour || learner) over its
+    # sampled tokens exceeds this, naming the likely causes (learner/mismatch.py); 0 = off
+    max_mismatch_kl: float = 0.01
     kl_coef: float = 0.0
     aggregation: Literal["per-rollout", "token-mean", "sequence-mean"] = "per-rollout"
     logprob_chunk_tokens: int = 1024  # logits are materialised this many tokens at a time
@@ -173,11 +188,24 @@ class LearnerConfig(_Section):
     # per call; a mismatch stops the run naming the layout and layer (learner/packed_check.py)
     check_packed: bool = True
 
+    def __post_init__(self) -> None:  # decoding turns a ValueError into a ConfigError naming the section
+        if not 0 <= self.is_mask_low < 1 < self.is_mask_high:
+            raise ValueError(f"learner.is_mask_low ({self.is_mask_low}) and is_mask_high ({self.is_mask_high}) must "
+                             "bracket 1: the band holds the ratios of an engine that agrees with the learner")
+        if self.is_cap < 1:
+            raise ValueError(f"learner.is_cap ({self.is_cap}) must be at least 1: below it tis would down-weight "
+                             "tokens the engine and learner agree on")
+
 
 class EvalConfig(_Section):
     """Evaluation: `python -m polar_fast eval` and the periodic held-out eval of a training run."""
 
-    split: str = "heldout"  # task split evaluated (tasks.source decides what splits exist)
+    # held-out tasks, read as tasks.source is ("families", a .jsonl / .parquet file, a datasets dir);
+    # "" = tasks.source's own split `split` (families, a datasets dir). A single file has no splits:
+    # evaluating it, or any tasks that share an instance_id or repo + base_commit with the training
+    # tasks, is refused (evaluate.heldout_tasks)
+    source: str = ""
+    split: str = "heldout"  # task split evaluated (of `source`, else of tasks.source)
     samples: int = 1  # per task; pass@k needs samples >= k
     k: list[int] = msgspec.field(default_factory=lambda: [1])
     harnesses: list[str] = []  # [] = harness.name
@@ -217,12 +245,15 @@ class RunConfig(_Section):
     zero_variance_skips: int = 4
     groups_in_flight: int = 0  # groups started but not finished; 0 = 2 x groups_per_step (stragglers delay only their group)
     partial_group_after_s: float = 0.0  # > 0: train a group without stragglers that waited this long (biased); 0 = off
-    seed: int = 0
+    seed: int = 0  # task order (each epoch's shuffle); docs/config.md "Seeds" lists every seed
     checkpoint_every: int = 1  # steps
+    keep_checkpoints: int = 0  # checkpoints kept on disk, newest first (the last is always kept); 0 = all
     # MiB that must stay free on Docker's data root and on output_dir, beyond sandbox.disk_mb,
     # before a new box boots; boots wait until there is room
     min_free_disk_mb: int = 2048
     tensorboard: bool = True
+    wandb: Literal["off", "online", "offline"] = "off"  # also log metrics to Weights & Biases (extra `wandb`)
+    wandb_project: str = "polar_fast"  # W&B project; the run is named after output_dir
 
 
 def groups_in_flight(run: RunConfig) -> int:

@@ -13,7 +13,13 @@ pass@k is the mean over its tasks that have one. Several harnesses give the chec
 matrix: train on one harness, evaluate on all of them.
 
 The evaluation's rollouts go to the record log like training ones, marked `purpose = "eval"`;
-their calls are never trained on.
+their calls are never trained on, nor exported as SFT data.
+
+Held out means held out (`heldout_tasks`): the tasks come from `eval.source`, else from the task
+source's own split (families, a datasets dir). A single file or "builtin" has no splits, so an
+eval of a held-out split from it, or of any tasks that share an instance_id or a repo + base
+commit with the training tasks, is refused before anything runs, with the overlap in the message.
+Evaluating the training split itself (`--split train`, as tasks.split) is allowed: it says so.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from polar_fast.errors import PolarError
 from polar_fast.pools import Pools
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
-from polar_fast.rollouts.tasks import Task, load_tasks
+from polar_fast.rollouts.tasks import Task, has_splits, load_tasks, shared_tasks
+
+SHOWN_OVERLAPS = 5  # shared tasks named in the refusal; the rest are counted
 
 
 class EvalError(PolarError):
@@ -112,15 +120,16 @@ def score_harness(harness: str, rollouts: Sequence[RolloutRecord], ks: Sequence[
                         mean_reward=sum(rewards) / len(rewards) if rewards else None, per_task=per_task)
 
 
-async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *,
+async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *, purpose: str = "eval",
                          on_group: Callable[[list[RolloutRecord]], None] | None = None) -> list[RolloutRecord]:
     """Run every task `samples` times on an open rollout stack (rollouts/stack.py); returns the
-    rollout records, each written to the record log with purpose "eval". The groups' calls are
-    dropped here (they are in the record log): evaluation never feeds the learner."""
+    rollout records, each written to the record log with `purpose` ("eval"; "demo" for the warm
+    start's demonstrations). The groups' calls are dropped here (they are in the record log):
+    evaluation never feeds the learner."""
     out: list[RolloutRecord] = []
 
     async def done(group: GroupRecord) -> None:
-        records = [msgspec.structs.replace(r, purpose="eval") for r in group.records]
+        records = [msgspec.structs.replace(r, purpose=purpose) for r in group.records]
         await rollouts.proxy.record(*records)
         out.extend(records)
         if on_group:
@@ -133,17 +142,54 @@ async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *,
 
 
 def eval_tasks(cfg: Config, split: str, limit: int) -> list[Task]:
+    """The tasks of `split` of eval.source (else of tasks.source), unchecked."""
     tc = cfg.tasks
-    return load_tasks(tc.source, split=split, limit=limit, image=tc.image, families=tc.families or None,
+    return load_tasks(cfg.eval.source or tc.source, split=split, limit=limit, image=tc.image,
+                      families=tc.families or None, per_family=tc.per_family)
+
+
+def training_tasks(cfg: Config) -> list[Task]:
+    """Every task of the training split (before tasks.limit: rows a shorter run skips still count)."""
+    tc = cfg.tasks
+    return load_tasks(tc.source, split=tc.split, image=tc.image, families=tc.families or None,
                       per_family=tc.per_family)
+
+
+def heldout_tasks(cfg: Config, split: str, limit: int) -> list[Task]:
+    """The tasks an eval of `split` runs, refused with EvalError when they are training tasks:
+    a task source without splits and no eval.source, or tasks that share an instance_id or a
+    repo + base commit with the training split. Evaluating the training split itself (eval.source
+    unset, split = tasks.split) is what was asked for and is not refused."""
+    ec, tc = cfg.eval, cfg.tasks
+    if not ec.source and split == tc.split:
+        return eval_tasks(cfg, split, limit)
+    if not ec.source and not has_splits(tc.source):
+        what = "the built-in suite" if tc.source == "builtin" else f"tasks.source {tc.source!r}"
+        raise EvalError(
+            f"{what} is a single set of tasks with no held-out split: an eval of split {split!r} would run "
+            f"on the training tasks. Set eval.source to held-out tasks (a .jsonl / .parquet file or a dataset "
+            "dir) that share no instance_id and no repo + base_commit with them")
+    tasks = eval_tasks(cfg, split, limit)
+    shared = shared_tasks(training_tasks(cfg), tasks)
+    if shared:
+        where = f"eval.source {ec.source!r}" if ec.source else f"split {split!r} of {tc.source!r}"
+        named = "; ".join(shared[:SHOWN_OVERLAPS]) + (f"; and {len(shared) - SHOWN_OVERLAPS} more"
+                                                       if len(shared) > SHOWN_OVERLAPS else "")
+        raise EvalError(
+            f"held-out tasks overlap the training tasks: {len(shared)} of the {len(tasks)} tasks of {where} are in "
+            f"the training split {tc.split!r} of {tc.source!r}: {named}. Remove them from the held-out set, or "
+            "set eval.source to tasks that share no instance_id and no repo + base_commit with training")
+    return tasks
 
 
 async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int = 1, ks: Sequence[int] = (1,),
                    split: str | None = None, limit: int = 0, checkpoint: str = "", run_dir: Path | None = None,
                    engine_for: Callable[[Config], object] | None = None,
-                   emit: Callable[[str, dict], None] | None = None) -> EvalReport:
+                   emit: Callable[[str, dict], None] | None = None, purpose: str = "eval") -> EvalReport:
     """pass@k of the base model (or `checkpoint`) for each harness; see the module docstring.
-    `engine_for(cfg)` replaces the configured engine (tests: a scripted one)."""
+    `engine_for(cfg)` replaces the configured engine (tests: a scripted one). `purpose` labels
+    the rollout records: "eval" (held-out tasks, checked by heldout_tasks; never exported) or
+    "demo" (the warm start's teacher demonstrations, exported for sft; no held-out check)."""
     from polar_fast.rollouts.harnesses import HARNESSES
     from polar_fast.rollouts.stack import open_rollouts
 
@@ -160,7 +206,7 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
     if max(ks) > samples:
         emit("info", {"message": f"pass@{max(ks)} needs >= {max(ks)} samples per task; --samples is {samples}"})
     split = split or cfg.eval.split
-    tasks = await asyncio.to_thread(eval_tasks, cfg, split, limit)
+    tasks = await asyncio.to_thread(heldout_tasks if purpose == "eval" else eval_tasks, cfg, split, limit)
     model_path = cfg.model.path
     if checkpoint:
         model_path = await asyncio.to_thread(checkpoint_model_dir, checkpoint, cfg.model.path)
@@ -175,7 +221,7 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
         await asyncio.to_thread(hdir.mkdir, parents=True, exist_ok=True)
         engine = engine_for(hcfg) if engine_for else None
         async with open_rollouts(hcfg, hdir, emit=emit, engine=engine) as stack:
-            records = await evaluate_tasks(stack, tasks, samples)
+            records = await evaluate_tasks(stack, tasks, samples, purpose=purpose)
         scores.append(score_harness(name, records, ks, [t.instance_id for t in tasks]))
     provenance = await asyncio.to_thread(collect_provenance, cfg, names)
     return EvalReport(split=split, samples=samples, ks=ks, sampling=msgspec.structs.asdict(cfg.sampling),
@@ -186,13 +232,13 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
 def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
     """An HF model directory for `checkpoint`: itself when it is one (config.json, as `sft`
     writes), else a learner checkpoint `step_N.pt` (or its directory's latest) converted once
-    beside it into `<name>.hf/`."""
+    beside it into `<name>.hf/` (learner/checkpoint.export_hf, also `export-model`)."""
+    from polar_fast.learner.checkpoint import CheckpointError, export_hf, latest_checkpoint
+
     path = Path(checkpoint)
     if (path / "config.json").is_file():
         return path
     if path.is_dir():
-        from polar_fast.learner.checkpoint import latest_checkpoint
-
         latest = latest_checkpoint(path)
         if latest is None:
             raise EvalError(f"checkpoint {checkpoint}: neither a model directory (config.json) nor a "
@@ -203,20 +249,10 @@ def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
     out = path.with_name(path.name + ".hf")
     if (out / "config.json").is_file() and (out / "config.json").stat().st_mtime >= path.stat().st_mtime:
         return out
-    import torch
-
-    from polar_fast.learner.checkpoint import lm_state_dict
-    from polar_fast.model import load_model, load_tokenizer
-
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        model = load_model(base_path, dtype="float32", device="cpu")
-        model.load_state_dict(lm_state_dict(payload))
-    except (KeyError, RuntimeError, OSError, EOFError) as e:
-        raise EvalError(f"checkpoint {path}: cannot load it into model {base_path or 'default'}: {e}") from None
-    model.save_pretrained(out)
-    load_tokenizer(base_path).save_pretrained(out)
-    return out
+        return export_hf(path, base_path, out)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
 
 
 def collect_provenance(cfg: Config, harnesses: Sequence[str]) -> dict:

@@ -2,7 +2,8 @@
 
     export_run("runs/default", "sft/", min_reward=1.0) -> one-paragraph report
 
-Reads `<run>/records.log` and keeps rollouts whose outcome is ok and reward >= `min_reward`.
+Reads `<run>/records.log` and keeps rollouts whose outcome is ok and reward >= `min_reward`,
+leaving out evaluation rollouts (`purpose = "eval"`: held-out tasks stay held out).
 Writes four files, each loadable with `datasets.load_dataset("json" | "parquet", data_files=...)`:
 
     chat.jsonl, chat.parquet     {messages, tools, provenance}: one row per final conversation
@@ -56,6 +57,7 @@ from polar_fast.records import (
 )
 
 CHAT_FILES = ("chat.jsonl", "chat.parquet")
+EVAL = "eval"  # RolloutRecord.purpose of an evaluation sample (evaluate.py): never exported
 TOKEN_FILES = ("tokens.jsonl", "tokens.parquet")
 
 
@@ -115,6 +117,8 @@ def _kept_rollouts(rollouts: Iterable[RolloutRecord], min_reward: float) -> dict
     kept: dict[str, RolloutRecord] = {}
     for r in rollouts:  # a rollout id logged twice (a resumed run): the last record wins
         kept.pop(r.rollout_id, None)
+        if r.purpose == EVAL:  # held-out tasks: exporting them would train on the eval set
+            continue
         if r.outcome is Outcome.OK and r.reward is not None and r.reward >= min_reward:
             kept[r.rollout_id] = r
     return kept
@@ -328,6 +332,10 @@ def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, i
         f"tokens: {len(token_rows.rows)} rows ({token_rows.duplicates} duplicates dropped) -> "
         + ", ".join(str(out / f) for f in TOKEN_FILES),
     ]
+    last = {r.rollout_id: r for r in contents.rollouts}
+    held_out = sum(1 for r in last.values() if r.purpose == EVAL)
+    if held_out:
+        lines.append(f"{held_out} evaluation rollouts (held-out tasks) left out: they are never exported")
     missing = sum(1 for rid in kept if not exchanges.get(rid))
     if missing:
         lines.append(f"note: {missing} kept rollouts have no exchange records (logged before exchanges existed): "

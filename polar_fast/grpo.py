@@ -2,7 +2,7 @@
 optimizer step on packed trie batches out.
 
     learner = Learner.from_config(cfg)
-    metrics = learner.step(groups)          # a list of GroupRecord
+    metrics = learner.step(groups)          # a list of GroupRecord; gate=mismatch.Gate(...) at a run's first step
     await learner.sync_weights(sync)        # the engine serves the new policy version
 
 Reads top to bottom, one section per stage: config -> setup (model, FSDP2, optimizer) -> packed
@@ -21,11 +21,18 @@ The variant, and where it deviates from paper GRPO (DeepSeekMath):
   `tree` computes each shared prefix once (ancestor-rule attention, depth as position id),
   `paths` computes each leaf path once. Extra samples (the same token sampled by two rollouts
   after the same prefix) each add their own loss term at the shared position.
-- Token-level PPO clip with clip-higher bounds, ratio against the recorded behaviour logprob
-  (not a learner recomputation: one optimizer step per batch makes "old" == current, so the
-  behaviour logprob is the only meaningful reference and the ratio also absorbs engine/learner
-  numeric mismatch and staleness), plus a dual-clip cap on the importance weight. KL to a
-  frozen reference is off by default (k3 estimator when on).
+- Token-level PPO clip with clip-higher bounds, plus a dual-clip cap for negative advantages.
+  The engine/learner mismatch is measured at every step's first forward, before the update
+  (k3 KL(behaviour || learner), mean and max |delta logprob|, share outside the clip band:
+  learner/mismatch.py) and corrected per `learner.is_correction`. Default "tis" (decoupled PPO):
+  the PPO ratio is against pi_old, the learner's own detached logprob at that forward (one
+  optimizer step per batch: 1 before the update), and a detached truncated importance weight
+  min(pi_old / pi_behaviour, is_cap) multiplies the policy term, so a token the engine sampled
+  under a slightly different distribution keeps its gradient instead of losing it to the clip.
+  "none" is the paper's ratio against the recorded behaviour logprob; "mask" drops tokens (or
+  rollouts) whose pi_old / pi_behaviour leaves a band. A run's first step can stop before the
+  update when the mismatch is too large (the gate, learner/mismatch.py). KL to a frozen
+  reference is off by default (k3 estimator when on).
 - Logprobs at the run's sampling temperature (`logits / sampling.temperature`), the distribution
   the engine sampled and recorded its behaviour logprobs under, so the ratio is exact at any
   temperature; top-p truncation is not reproduced, so training refuses top_p < 1 (train.py).
@@ -54,15 +61,16 @@ import torch.distributed as dist
 
 from polar_fast import merge
 from polar_fast.config import Config, LearnerConfig
-from polar_fast.learner import losses, packed_attention, packed_check
+from polar_fast.learner import losses, mismatch, packed_attention, packed_check, packed_forward
 from polar_fast.learner.batches import LAYOUTS, StepBatch, check_layout, group_batches, percall_batches, split_weights
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polar_fast.learner.mismatch import Gate, MismatchError
 from polar_fast.learner.packed_forward import PackedLM, batch_tensors, loss_terms
 from polar_fast.learner.weight_sync import WeightStream
 from polar_fast.records import CallRecord, Outcome
 from polar_fast.rollouts.groups import GroupRecord
 
-__all__ = ["LAYOUTS", "Learner", "StepBatch", "StepMetrics", "build_step_batch", "trains_on"]
+__all__ = ["LAYOUTS", "Gate", "Learner", "MismatchError", "StepBatch", "StepMetrics", "build_step_batch", "trains_on"]
 
 Objective = Literal["grpo", "nll"]  # GRPO on group rewards; supervised fine-tuning (learner/sft.py)
 
@@ -75,11 +83,17 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _attention_impl(cfg: LearnerConfig, device: torch.device) -> str:
+def _attention_impl(cfg: LearnerConfig, device: torch.device, model: torch.nn.Module) -> str:
+    """"auto": FlexAttention on CUDA, SDPA per block (no (T, T) mask) elsewhere. A class whose
+    transformers code does not declare FlexAttention (Qwen3.5's, in transformers 5.25: found by
+    bench/gpu_check.py on an H200) gets transformers' flex function under our own name."""
     kind = cfg.attention
     if kind == "auto":
         kind = "flex_attention" if device.type == "cuda" else "sdpa"
-    return packed_attention.NAME if kind == "sdpa" else kind  # SDPA kernels, per block, no (T, T) mask
+    if kind == "flex_attention" and not getattr(model, "_supports_flex_attn", False):
+        packed_forward.register_flex()
+        return packed_forward.FLEX
+    return packed_attention.NAME if kind == "sdpa" else kind
 
 
 # -------------------------------------------------------------------------------------- setup
@@ -95,7 +109,7 @@ def _prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, layout: str, d
         raise ValueError("a model on the meta device needs torch.distributed ranks to shard it over")
     if not on_meta:
         model.to(device)
-    attention = _attention_impl(cfg, device)
+    attention = _attention_impl(cfg, device, model)
     model.set_attn_implementation(attention)
     if cfg.check_packed and layout != "percall":  # before any step: a layer that leaks stops the run
         packed_check.check(model, layout, attention=attention, device=device, merge_impl=merge_impl)
@@ -206,76 +220,148 @@ def trains_on(group: GroupRecord, cfg: LearnerConfig) -> bool:
 # --------------------------------------------------------------------------------------- loss
 
 
-def grpo_objective(logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor,
-                   cfg: LearnerConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-term GRPO loss (N,) and a clipped flag (N,): the PPO clip with the run's bounds on
-    the ratio against the behaviour logprob, capped for negative advantages."""
-    return losses.ppo_token_loss(logp, behaviour, advantage, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                 max_importance_weight=cfg.max_importance_weight)
+def grpo_objective(logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor, cfg: LearnerConfig, *,
+                   rollout_log_ratio: torch.Tensor | None = None) -> losses.PolicyLoss:
+    """The per-term GRPO policy terms (N,): the PPO clip with the run's bounds and dual-clip cap,
+    under the run's mismatch correction (learner.is_correction; losses.policy_loss)."""
+    return losses.policy_loss(logp, behaviour, advantage, correction=cfg.is_correction, clip_low=cfg.clip_low,
+                              clip_high=cfg.clip_high, max_importance_weight=cfg.max_importance_weight,
+                              cap=cfg.is_cap, low=cfg.is_mask_low, high=cfg.is_mask_high,
+                              rollout_log_ratio=rollout_log_ratio)
 
 
-def nll_objective(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nll_objective(logp: torch.Tensor) -> losses.PolicyLoss:
     """Supervised fine-tuning (learner/batches.nll_step_batch): minus each term's logprob (N,);
-    nothing is clipped."""
-    return -logp, torch.zeros_like(logp)
+    nothing is clipped or weighted."""
+    ones = torch.ones_like(logp.detach())
+    return losses.PolicyLoss(-logp, torch.zeros_like(ones), ones, ones, torch.zeros_like(ones))
 
 
-def _micro_step(learner: Learner, batch: StepBatch, i: int, scale: float, objective: Objective) -> torch.Tensor:
+# the float64 sums a micro-step returns: the aggregation-weighted loss parts, then the token sums
+# of the mismatch (learner/mismatch.py), which the step divides by its number of terms
+SUMS = ("loss", "pg", "kl", "clip", "ratio", "is_weight", "is_corrected", "mismatch_kl", "mismatch_abs", "out_of_clip")
+
+
+def _micro_step(learner: Learner, batch: StepBatch, i: int, scale: float, objective: Objective,
+                rollout_log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of micro-batch i, its loss weighted by `scale` (0: a filler pass).
-    Returns its weighted (loss, pg, kl, clipped, ratio) sums, float64 (5,)."""
+    Returns its SUMS (float64) and its largest |delta logprob| (0-d float64)."""
     cfg, device = learner.cfg, learner.device
     terms = batch.terms[i]
     inputs = batch_tensors(batch.micro_batches[i], terms, device)
-    with learner.autocast():
+    with learner.autocast():  # the step's first forward: pi_old, before any update
         logp = learner.policy(**inputs, chunk_tokens=cfg.logprob_chunk_tokens)  # (N,)
     behaviour = torch.from_numpy(terms.behaviour_logp).to(device)
     weight = torch.from_numpy(batch.weights[i]).to(device, torch.float32) * scale
     if objective == "nll":
-        pg, clipped = nll_objective(logp)
+        policy = nll_objective(logp)
     else:
-        pg, clipped = grpo_objective(logp, behaviour, torch.from_numpy(batch.advantages[i]).to(device), cfg)
-    kl = torch.zeros_like(pg)
+        advantage = torch.from_numpy(batch.advantages[i]).to(device)
+        policy = grpo_objective(logp, behaviour, advantage, cfg, rollout_log_ratio=rollout_log_ratio)
+    kl = torch.zeros_like(policy.loss)
     if learner.ref is not None and objective == "grpo":
         with torch.no_grad(), learner.autocast():
             ref_logp = learner.ref(**inputs, chunk_tokens=cfg.logprob_chunk_tokens)
         kl = losses.kl_k3(logp, ref_logp)
-    loss = ((pg + cfg.kl_coef * kl) * weight).sum()
+    loss = ((policy.loss + cfg.kl_coef * kl) * weight).sum()
     (loss * learner.world).backward()  # FSDP2 averages over ranks; weights already sum to 1
     with torch.no_grad():
-        ratio = torch.exp(logp - behaviour)
-        parts = [loss, (pg * weight).sum(), (kl * weight).sum(), (clipped * weight).sum(), (ratio * weight).sum()]
-        return torch.stack([p.detach().double().cpu() for p in parts])
+        parts = [loss, (policy.loss * weight).sum(), (kl * weight).sum(), *((x * weight).sum() for x in policy[1:])]
+        sums = torch.stack([p.detach().double().cpu() for p in parts])
+        gap, top = torch.zeros(3, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        if objective == "grpo" and scale and len(logp):  # the nll objective's behaviour logprobs are 0s
+            k3, delta, outside = losses.mismatch_terms(logp, behaviour, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            gap = torch.stack([k3.sum(), delta.sum(), outside.sum()]).cpu()
+            top = delta.max().cpu()
+        return torch.cat([sums, gap]), top
+
+
+@torch.no_grad()
+def _rollout_log_ratios(learner: Learner, batch: StepBatch, mine: list[int], n_local: int) -> torch.Tensor:
+    """The mean log(pi_old / pi_behaviour) of each rollout over the whole step (float64, indexed
+    by keys_rollout), for the rollout-level mask: it needs every token of a rollout before the
+    first backward, so it costs one extra forward of the step."""
+    size = max((int(k.max()) + 1 for k in batch.keys_rollout if len(k)), default=0)
+    sums, counts = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)
+    for j in range(n_local):
+        i = mine[j] if j < len(mine) else 0  # a filler pass still runs: FSDP2's gathers are collective
+        terms = batch.terms[i]
+        with learner.autocast():
+            logp = learner.policy(**batch_tensors(batch.micro_batches[i], terms, learner.device),
+                                  chunk_tokens=learner.cfg.logprob_chunk_tokens)
+        if j < len(mine):
+            keys = torch.from_numpy(batch.keys_rollout[i])
+            sums.index_add_(0, keys, logp.double().cpu() - torch.from_numpy(terms.behaviour_logp).double())
+            counts.index_add_(0, keys, torch.ones(len(keys), dtype=torch.float64))
+    sums, counts = _all_reduce(learner, sums), _all_reduce(learner, counts)
+    return sums / counts.clamp(min=1)
+
+
+def _all_reduce(learner: Learner, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+    """Sum (or `op`) a small CPU tensor over the ranks, through the learner's device (NCCL
+    reduces only CUDA tensors)."""
+    if learner.world == 1:
+        return t
+    on_device = t.to(learner.device)
+    dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM)
+    return on_device.cpu()
 
 
 # --------------------------------------------------------------------------------------- step
 
 
-def _train_step(learner: Learner, batch: StepBatch, objective: Objective) -> StepMetrics:
-    """Forward/backward every micro-batch this rank owns (i::world), then one clipped AdamW step."""
+def _accumulate(learner: Learner, batch: StepBatch, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward every micro-batch this rank owns (i::world); the SUMS and the largest
+    |delta logprob| over the whole step, reduced over the ranks."""
+    cfg = learner.cfg
+    n = len(batch.micro_batches)
+    mine = list(range(learner.rank, n, learner.world))
+    n_local = -(-n // learner.world) if n else 0
+    by_rollout = None
+    if objective == "grpo" and cfg.is_correction == "mask" and cfg.is_mask_level == "rollout":
+        by_rollout = _rollout_log_ratios(learner, batch, mine, n_local)
+    sums, top = torch.zeros(len(SUMS), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for j in range(n_local):
+        i, scale = (mine[j], 1.0) if j < len(mine) else (0, 0.0)  # zero-weight filler pass
+        if hasattr(learner.policy, "set_requires_gradient_sync"):
+            learner.policy.set_requires_gradient_sync(j == n_local - 1)
+        rollout_log_ratio = None
+        if by_rollout is not None:
+            rollout_log_ratio = by_rollout[torch.from_numpy(batch.keys_rollout[i])].to(learner.device)
+        part, part_top = _micro_step(learner, batch, i, scale, objective, rollout_log_ratio)
+        sums, top = sums + part, torch.maximum(top, part_top)
+    return _all_reduce(learner, sums), _all_reduce(learner, top, dist.ReduceOp.MAX)
+
+
+def _train_step(learner: Learner, batch: StepBatch, objective: Objective, gate: Gate | None = None) -> StepMetrics:
+    """Forward/backward of the whole step, the mismatch gate when given one, then one clipped
+    AdamW step. A gate that fails raises MismatchError before the update (gradients dropped)."""
     if objective not in ("grpo", "nll"):
         raise ValueError(f"objective must be grpo or nll, got {objective!r}")
     started = time.perf_counter()
     learner.policy.train()
     n = len(batch.micro_batches)
-    mine = list(range(learner.rank, n, learner.world))
-    n_local = -(-n // learner.world) if n else 0
-    sums = torch.zeros(5, dtype=torch.float64)  # loss, pg, kl, clip, ratio (weighted)
-    for j in range(n_local):
-        i, scale = (mine[j], 1.0) if j < len(mine) else (0, 0.0)  # zero-weight filler pass
-        if hasattr(learner.policy, "set_requires_gradient_sync"):
-            learner.policy.set_requires_gradient_sync(j == n_local - 1)
-        sums += _micro_step(learner, batch, i, scale, objective)
-    if learner.world > 1:
-        dist.all_reduce(sums)
+    sums, top = _accumulate(learner, batch, objective)
+    parts = dict(zip(SUMS, sums.tolist()))
+    n_terms = batch.n_terms
+    figures = mismatch.Figures(kl=parts["mismatch_kl"] / max(n_terms, 1), abs_mean=parts["mismatch_abs"] / max(n_terms, 1),
+                               abs_max=float(top), out_of_clip=parts["out_of_clip"] / max(n_terms, 1), n_tokens=n_terms)
+    if gate is not None and objective == "grpo":
+        try:
+            mismatch.check(figures, gate)
+        except MismatchError:
+            learner.optimizer.zero_grad(set_to_none=True)
+            raise
     grad_norm = _clip_and_step(learner.policy, learner.optimizer, learner.cfg.grad_clip) if n else 0.0
     learner.step_count += 1
     learner.version += 1
-    loss, pg, kl, clip, ratio = sums.tolist()
     return StepMetrics(
-        step=learner.step_count, version=learner.version, loss=loss, pg_loss=pg, kl=kl,
-        clip_frac=clip, ratio_mean=ratio, grad_norm=grad_norm, reward_mean=batch.reward_mean,
-        n_rollouts=batch.n_rollouts, n_terms=batch.n_terms, n_tokens=batch.n_tokens,
-        n_micro_batches=n, time_s=time.perf_counter() - started,
+        step=learner.step_count, version=learner.version, loss=parts["loss"], pg_loss=parts["pg"], kl=parts["kl"],
+        clip_frac=parts["clip"], ratio_mean=parts["ratio"], grad_norm=grad_norm, reward_mean=batch.reward_mean,
+        n_rollouts=batch.n_rollouts, n_terms=n_terms, n_tokens=batch.n_tokens, n_micro_batches=n,
+        time_s=time.perf_counter() - started, mismatch_kl=figures.kl, mismatch_abs_mean=figures.abs_mean,
+        mismatch_abs_max=figures.abs_max, mismatch_out_of_clip=figures.out_of_clip,
+        is_weight_mean=parts["is_weight"], is_corrected=parts["is_corrected"],
     )
 
 
@@ -298,7 +384,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     pg_loss: float
     kl: float  # aggregated k3 estimate (0 when kl_coef == 0)
     clip_frac: float  # weighted share of terms whose loss was clipped or capped
-    ratio_mean: float  # weighted mean importance ratio
+    ratio_mean: float  # weighted mean of the PPO ratio the clip saw (pi_old-based under tis/mask: 1)
     grad_norm: float
     reward_mean: float  # over scored (non-infra) rollouts given to the step
     n_rollouts: int  # rollouts trained on
@@ -306,6 +392,14 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int  # tokens forwarded
     n_micro_batches: int
     time_s: float
+    # the engine/learner mismatch at the step's first forward, before the update, per sampled token
+    # (learner/mismatch.py); after the first step it also holds staleness (older policy versions)
+    mismatch_kl: float = 0.0  # k3 estimate of KL(behaviour || learner), token mean
+    mismatch_abs_mean: float = 0.0  # mean |log pi_learner - log pi_behaviour|
+    mismatch_abs_max: float = 0.0  # max of the same
+    mismatch_out_of_clip: float = 0.0  # share of tokens whose pi_learner / pi_behaviour is outside the clip band
+    is_weight_mean: float = 1.0  # weighted mean importance weight on the policy term (learner.is_correction)
+    is_corrected: float = 0.0  # weighted share of terms whose weight tis truncated or mask set to 0
 
 
 # ------------------------------------------------------------------------ weights, checkpoint
@@ -388,13 +482,14 @@ class Learner:
         return build_step_batch(groups, self.cfg, layout=self.layout, max_tokens=self.max_tokens,
                                 merge_impl=self.merge_impl)
 
-    def step(self, groups: Sequence[GroupRecord]) -> StepMetrics:
-        """One GRPO step on these finished groups."""
-        return _train_step(self, self.prepare(groups), "grpo")
+    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None) -> StepMetrics:
+        """One GRPO step on these finished groups; with a `gate`, MismatchError instead of the
+        update when the engine and the learner disagree too much (a run's first step)."""
+        return _train_step(self, self.prepare(groups), "grpo", gate)
 
-    def train_step(self, batch: StepBatch, *, objective: Objective = "grpo") -> StepMetrics:
+    def train_step(self, batch: StepBatch, *, objective: Objective = "grpo", gate: Gate | None = None) -> StepMetrics:
         """One step on a prepared batch; objective "nll": supervised fine-tuning (nll_step_batch)."""
-        return _train_step(self, batch, objective)
+        return _train_step(self, batch, objective, gate)
 
     def autocast(self):
         enabled = self.cfg.dtype == "bfloat16" and self.world == 1

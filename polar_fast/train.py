@@ -14,6 +14,11 @@ record log. Everything captured goes to `<output_dir>/records.log` as it happens
 loses nothing; checkpoints go to `<output_dir>/checkpoints`, and `resume=True` continues from the
 newest with the same step numbering, after removing sandboxes a killed run left behind.
 
+The first step of a run (and the first after a resume) carries the mismatch gate
+(learner/mismatch.py): when the engine's behaviour logprobs and the learner's disagree by more
+than `learner.max_mismatch_kl`, the run stops before the update with one MismatchError naming
+the likely causes. The scripted engines' logprobs are made up, so their runs are not gated.
+
 Under torchrun this is rank 0; ranks > 0 run `distributed.follow` and join every learner call.
 
 Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
@@ -31,20 +36,22 @@ at every await. A run killed or crashed has no such marker; `--resume` then writ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import anyio
 import msgspec
 
-from polar_fast.config import Config, groups_in_flight
+from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
-from polar_fast.grpo import Learner, trains_on
+from polar_fast.grpo import Gate, Learner, trains_on
 from polar_fast.learner import distributed
+from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
 from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSync
 from polar_fast.pools import Pools
@@ -92,6 +99,25 @@ def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
         yield from epoch
 
 
+def _periodic_eval_tasks(cfg: Config) -> list[Task]:
+    """The held-out tasks of the periodic eval ([] when there is none), refused (EvalError) when
+    they are training tasks: evaluate.heldout_tasks."""
+    if not (cfg.eval.every_steps or cfg.eval.at_start):
+        return []
+    from polar_fast.evaluate import heldout_tasks
+
+    return heldout_tasks(cfg, cfg.eval.split, cfg.eval.limit)
+
+
+def save_checkpoint(learner: Learner | Leader, run: RunConfig) -> str:
+    """A checkpoint of the learner in `<output_dir>/checkpoints`, then only the newest
+    `run.keep_checkpoints` kept (the one just written always is)."""
+    directory = Path(run.output_dir) / "checkpoints"
+    path = learner.save(str(directory))
+    prune_checkpoints(directory, run.keep_checkpoints)
+    return path
+
+
 def _prepare_output_dir(cfg: Config, resume: bool) -> Path:
     out = Path(cfg.run.output_dir)
     has_state = (out / "records.log").exists() or (out / "checkpoints").exists()
@@ -124,13 +150,6 @@ def check_run(cfg: Config) -> None:
         raise RunError(f"engine.weight_sync = \"transfer\" broadcasts the weights over NCCL from a GPU learner to vLLM, "
                        f"but engine.kind = {e.kind!r} and learner.device = {cfg.learner.device!r}: use "
                        "engine.kind = \"vllm\" and a cuda learner, or weight_sync = \"disk\"")
-
-
-def _single_error(error: BaseException) -> BaseException:
-    """The one error inside nested task-group wrappers, else the group itself."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 async def _close_crashed_run(rollouts, run_dir: Path, step: int, emit: Emit) -> None:
@@ -169,6 +188,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     display. `engine` replaces the configured engine (tests: a scripted policy)."""
     emit = on_event or (lambda kind, data: None)
     check_run(cfg)
+    eval_tasks = await asyncio.to_thread(_periodic_eval_tasks, cfg)  # refused now if they are training tasks
     summary = RunSummary()
     run_dir = await asyncio.to_thread(_prepare_output_dir, cfg, resume)
     if cfg.warm_start.demos:  # learner and engine both start from the warm-started weights
@@ -180,15 +200,17 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
                                     image=tc.image, families=tc.families or None, per_family=tc.per_family)
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
-        await asyncio.to_thread(check_images, tasks)
+        await asyncio.to_thread(check_images, tasks + eval_tasks)
     emit("info", {"message": "loading the model for the learner"})
     # under torchrun, a Leader that has ranks > 0 join each collective call (learner/distributed.py)
     learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
     if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
-    metrics = await asyncio.to_thread(MetricsWriter, run_dir, tensorboard=cfg.run.tensorboard)
+    metrics = await asyncio.to_thread(lambda: MetricsWriter(
+        run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
+        config=msgspec.to_builtins(cfg)))
     try:
-        async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+        async with _one_error(), open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
             if resume:
                 await _close_crashed_run(rollouts, run_dir, learner.step_count, emit)
@@ -196,33 +218,61 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:
-                evaluator = _PeriodicEval(cfg, rollouts, metrics, summary, emit)
+                evaluator = _PeriodicEval(cfg, eval_tasks, rollouts, metrics, summary, emit)
                 pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
                                            partial_group_after_s=cfg.run.partial_group_after_s)
                 loop = _Loop(rollouts.cfg, learner=learner, sync=sync, pools=pools, proxy=rollouts.proxy,
                              metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator,
-                             stopped_by=lambda: stop.signal)
+                             stopped_by=lambda: stop.signal, gate=first_step_gate(cfg, rollouts.engine))
                 pools.on_late = loop.on_late
                 try:
                     if cfg.eval.at_start and learner.step_count == 0:
                         await evaluator.run(0)
                     await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
-                    summary.checkpoint = await asyncio.to_thread(learner.save, str(run_dir / "checkpoints"))
+                    summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
                 except Exception as e:
                     loop.failed(e)
                     raise
                 finally:
                     await loop.record_end()
         await asyncio.to_thread(distributed.stop_followers, learner)
-    except BaseExceptionGroup as group:  # the stack's task groups wrap what the run raised
-        error = _single_error(group)
-        if isinstance(error, PolarError):  # one of ours, with its message for the user
-            raise error from None
-        raise
     finally:
         with anyio.CancelScope(shield=True):
             await asyncio.to_thread(metrics.close)
     return summary
+
+
+def first_step_gate(cfg: Config, engine) -> Gate | None:
+    """The mismatch gate of the run's first step: None when learner.max_mismatch_kl is 0 or the
+    engine's logprobs are made up (engines/scripted.py: tests and dry runs)."""
+    if cfg.learner.max_mismatch_kl <= 0 or getattr(engine, "made_up_logprobs", False):
+        return None
+    return Gate.for_run(cfg)
+
+
+@contextlib.asynccontextmanager
+async def _one_error() -> AsyncIterator[None]:
+    """One of our errors (a PolarError: the gate's MismatchError, a checkpoint that cannot be
+    written) leaves the run as itself, its one message intact, not inside the exception groups
+    of the TaskGroups it passes (proxy, loop)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if isinstance(error := _the_error(group), PolarError):
+            raise error from None
+        raise
+
+
+def _the_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The one error inside nested task-group wrappers (cancellations aside), else None."""
+    leaves = _leaves(group)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [] if isinstance(error, asyncio.CancelledError) else [error]
 
 
 END_RECORD_TIMEOUT_S = 60  # writing the abandoned records and the run-end marker
@@ -233,10 +283,12 @@ class _Loop:
 
     def __init__(self, cfg: Config, *, learner: Learner | Leader, sync: WeightSync, pools: Pools, proxy: Proxy,
                  metrics: MetricsWriter, summary: RunSummary, stop: asyncio.Event, emit: Emit,
-                 evaluator: _PeriodicEval | None = None, stopped_by: Callable[[], str] = lambda: "") -> None:
+                 evaluator: _PeriodicEval | None = None, stopped_by: Callable[[], str] = lambda: "",
+                 gate: Gate | None = None) -> None:
         self.cfg, self.learner, self.sync, self.pools, self.proxy = cfg, learner, sync, pools, proxy
         self.metrics, self.summary, self.stop, self.emit, self.evaluator = metrics, summary, stop, emit, evaluator
         self.stopped_by = stopped_by  # the signal that asked for a stop
+        self.gate = gate  # the mismatch gate, for the first step only
         self.ready: asyncio.Queue[GroupRecord] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
         self.end_reason = ""  # why the run ends, for the abandoned records and the run-end marker
         self.abandoned = 0
@@ -252,8 +304,9 @@ class _Loop:
             await self.evaluator.run(self.learner.step_count)
 
     async def _rollouts_and_learner(self, tasks: Iterator[Task]) -> None:
-        """Until the last step or a stop; sets end_reason on every way out. An error of the
-        learner's (a checkpoint that cannot be written) leaves as itself, not in a group."""
+        """Until the last step or a stop; sets end_reason on every way out. One of our errors
+        (the gate's MismatchError, a checkpoint that cannot be written) leaves as itself, not in
+        a group."""
         try:
             async with asyncio.TaskGroup() as tg:
                 pools = tg.create_task(self.pools.run(tasks, self.on_group))
@@ -264,7 +317,7 @@ class _Loop:
                     pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
                     status.cancel()
         except BaseExceptionGroup as group:
-            error = _single_error(group)
+            error = _the_error(group) or group
             self.failed(error)
             if isinstance(error, PolarError):
                 raise error from None
@@ -370,10 +423,11 @@ class _Loop:
         calls = [c for g in groups for c in g.calls]
         rollouts = [r for g in groups for r in g.records]
         started = time.perf_counter()
-        step = await asyncio.to_thread(self.learner.step, groups)
+        gate, self.gate = self.gate, None
+        step = await asyncio.to_thread(self.learner.step, groups, gate=gate)
         await self.learner.sync_weights(self.sync)
         if step.step % self.cfg.run.checkpoint_every == 0:
-            await asyncio.to_thread(self.learner.save, str(Path(self.cfg.run.output_dir) / "checkpoints"))
+            await asyncio.to_thread(save_checkpoint, self.learner, self.cfg.run)
         call_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
         sampled = sum(len(c.completion_ids) for c in calls)
         self.summary.groups_trained += len(groups)
@@ -458,16 +512,15 @@ class _PeriodicEval:
     """Held-out evaluation during training (eval.every_steps) on the run's own rollout stack,
     beside the training rollouts; logged to metrics.jsonl / TensorBoard under `eval/`."""
 
-    def __init__(self, cfg: Config, rollouts, metrics: MetricsWriter, summary: RunSummary, emit) -> None:
+    def __init__(self, cfg: Config, tasks: list[Task], rollouts, metrics: MetricsWriter, summary: RunSummary,
+                 emit) -> None:
         self.cfg, self.rollouts, self.metrics, self.summary, self.emit = cfg, rollouts, metrics, summary, emit
-        self._tasks: list[Task] | None = None
+        self._tasks = tasks
 
     async def run(self, step: int) -> None:
-        from polar_fast.evaluate import eval_tasks, evaluate_tasks, score_harness
+        from polar_fast.evaluate import evaluate_tasks, score_harness
 
         ec = self.cfg.eval
-        if self._tasks is None:
-            self._tasks = await asyncio.to_thread(eval_tasks, self.cfg, ec.split, ec.limit)
         self.emit("info", {"message": f"evaluating step {step}: {len(self._tasks)} {ec.split} tasks x {ec.samples}"})
         started = time.perf_counter()
         records = await evaluate_tasks(self.rollouts, self._tasks, ec.samples)

@@ -140,7 +140,7 @@ async def _build(cfg: Config, tasks, plays: dict[str, list[list[str]]], work: Pa
                              f"(built once, then cached)"})
     tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
     demo_cfg = msgspec.structs.replace(cfg, tasks=msgspec.structs.replace(cfg.tasks, per_family=ws.demos))
-    demos = await run_eval(demo_cfg, split="demos", samples=1, ks=[1], run_dir=work / "demos",
+    demos = await run_eval(demo_cfg, split="demos", samples=1, ks=[1], run_dir=work / "demos", purpose="demo",
                            engine_for=lambda c: PlaybookEngine(plays, tok), emit=emit)
     [scored] = demos.harnesses
     kept = sum(t.passed for t in scored.per_task)

@@ -1,6 +1,6 @@
 """The default configuration learns: run.toml as shipped (warm start, seeded sampling, generated
 tasks, the real SmolLM2 weights in the embedded engine, mini-swe-agent in a local sandbox), cut to
-one GRPO step without the final eval. The step must train on sampled tokens of a group whose
+one GRPO step without the evals. The step must train on sampled tokens of a group whose
 rewards differ: a run that trains on 0 tokens is not a training run.
 
 The warm start is built on first use (~4 min on 2 cores) and cached, so after the README's first
@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(1800)
 async def test_the_default_run_trains_on_sampled_tokens_of_a_group_with_reward_variance(tmp_path):
     cfg = await anyio.to_thread.run_sync(load_config, ROOT / "run.toml",
-                                         [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "eval.every_steps=0"])
+                                         [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "eval.every_steps=0",
+                                          "eval.at_start=false"])
     assert cfg.sampling.seed is not None and cfg.warm_start.demos > 0  # seeded, warm-started: the shipped setup
     summary = await train(cfg)
 

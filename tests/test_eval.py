@@ -8,15 +8,18 @@ exactly, including pass@3 of task B (n = 2 < k = 3) and the infra failure kept o
 
 from __future__ import annotations
 
+import functools
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import anyio
 import pytest
 
 from polar_fast.config import parse_config
 from polar_fast.engines.scripted import ENGINE_DOWN, PlaybookEngine
-from polar_fast.evaluate import EvalError, format_report, pass_at_k, run_eval, score_harness
+from polar_fast.evaluate import EvalError, format_report, heldout_tasks, pass_at_k, run_eval, score_harness
 from polar_fast.model import load_tokenizer
 from polar_fast.records import Outcome, RolloutRecord
 from polar_fast.rollouts.families import family_tasks
@@ -130,3 +133,59 @@ def test_a_learner_checkpoint_converts_to_a_model_dir_with_the_trained_weights(t
     converted = load_model(str(out)).state_dict()
     for name, value in learner.policy.lm.state_dict().items():
         assert torch.equal(converted[name], value), name
+
+
+# ------------------------------------------------------------------------ held out means held out
+
+TASK_DATA = Path(__file__).parent / "data" / "tasks"
+
+
+def test_a_jsonl_source_with_periodic_eval_and_no_eval_source_is_refused_at_start(tmp_path):
+    """A single file has no held-out split: the periodic eval would score the training rows."""
+    from polar_fast.train import train
+
+    source = str(TASK_DATA / "swebench_verified.jsonl")
+    cfg = parse_config({"run": {"output_dir": str(tmp_path / "run")}, "tasks": {"source": source},
+                        "eval": {"every_steps": 1}})
+    with pytest.raises(EvalError, match=r"is a single set of tasks with no held-out split: an eval of split "
+                                        r"'heldout' would run on the training tasks\. Set eval\.source"):
+        anyio.run(train, cfg)
+    assert not (tmp_path / "run").exists()  # refused before the run dir, the model or a sandbox
+
+
+def _hub_dir(path: Path, splits: dict[str, list[dict]]) -> str:
+    path.mkdir()
+    for split, rows in splits.items():
+        (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_datasets_dir_whose_heldout_rows_overlap_training_is_refused(tmp_path):
+    rows = [json.loads(line) for line in (TASK_DATA / "swebench_verified.jsonl").read_text().splitlines()]
+    same_state = {**rows[1], "instance_id": "renamed__copy-1"}  # another id, the same repo at the same commit
+    source = _hub_dir(tmp_path / "ds", {"train": rows[:2], "heldout": [rows[0], same_state, rows[2]]})
+    cfg = parse_config({"tasks": {"source": source}, "eval": {"at_start": True}})
+    with pytest.raises(EvalError) as refused:
+        heldout_tasks(cfg, "heldout", 0)
+    message = str(refused.value)
+    assert "2 of the 3 tasks of split 'heldout'" in message and "training split 'train'" in message
+    assert f"instance_id {rows[0]['instance_id']}" in message
+    assert f"renamed__copy-1 (repo {rows[1]['repo']} at base_commit {rows[1]['base_commit'][:12]})" in message
+    with pytest.raises(EvalError, match="held-out tasks overlap the training tasks"):  # `eval` refuses too
+        anyio.run(functools.partial(run_eval, cfg, harnesses=["mini-swe-agent"]))
+
+
+def test_held_out_tasks_that_share_nothing_pass(tmp_path):
+    rows = [json.loads(line) for line in (TASK_DATA / "swebench_verified.jsonl").read_text().splitlines()]
+    source = _hub_dir(tmp_path / "ds", {"train": rows[:2], "heldout": rows[2:]})
+    cfg = parse_config({"tasks": {"source": source}})
+    assert [t.instance_id for t in heldout_tasks(cfg, "heldout", 0)] == [rows[2]["instance_id"]]
+    # a single training file with its held-out tasks in eval.source
+    (tmp_path / "heldout.jsonl").write_text(json.dumps(rows[2]) + "\n")
+    cfg = parse_config({"tasks": {"source": str(TASK_DATA / "calc.jsonl")},
+                        "eval": {"source": str(tmp_path / "heldout.jsonl")}})
+    assert [t.instance_id for t in heldout_tasks(cfg, "heldout", 0)] == [rows[2]["instance_id"]]
+    families = parse_config({"tasks": {"source": "families", "families": ["constant"]}})
+    assert len(heldout_tasks(families, "heldout", 0)) == 4
+    # the training split, asked for by name, is evaluated as asked
+    assert len(heldout_tasks(parse_config({"tasks": {"source": str(TASK_DATA / "calc.jsonl")}}), "train", 0)) == 3

@@ -1,7 +1,8 @@
 """SFT export from a real record log: calls captured by the real proxy (scripted engine, real
 SmolLM2 tokenizer and template) over HTTP in two dialects, plus rollout records; the export is
 loaded back with `datasets` (JSONL and parquet) and checked for tool schemas and tool calls,
-restored reasoning, dedup, compaction (two final conversations) and the reward filter."""
+restored reasoning, dedup, compaction (two final conversations), the reward filter, and evaluation
+rollouts left out."""
 
 from __future__ import annotations
 
@@ -179,3 +180,20 @@ def test_min_reward_and_cli(run_dir, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "polar_fast", "export", "--run", str(tmp_path / "nope"), "--out",
                               str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "records.log not found" in missing.stderr
+
+
+def test_evaluation_rollouts_are_never_exported(run_dir, tmp_path):
+    """A held-out eval's rollouts share the run's records.log (purpose "eval"): exporting them
+    would put the eval set into SFT data, so they are left out whatever their reward."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(run_dir / "records.log", run / "records.log")
+    with RecordLog(run / "records.log") as log:  # g1-r0 (reward 1) re-logged as an eval sample: the last record wins
+        log.append(RolloutRecord(rollout_id="g1-r0", group_id="g1", task_id="toy/a", harness="codex",
+                                 outcome=Outcome.OK, reward=1.0, n_calls=3, purpose="eval"))
+    report = export_run(run, tmp_path / "sft", min_reward=0.0)
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "chat.jsonl").read_text().splitlines()]
+    tokens = [json.loads(line) for line in (tmp_path / "sft" / "tokens.jsonl").read_text().splitlines()]
+    assert {r["provenance"]["rollout_id"] for r in rows} == {"g0-r0", "g0-r2"}
+    assert "g1-r0" not in {r["provenance"]["rollout_id"] for r in tokens}
+    assert "3 of 5 rollouts kept" in report and "1 evaluation rollouts (held-out tasks) left out" in report

@@ -79,6 +79,79 @@ def test_cap_must_exceed_clip_high():
                               clip_high=0.28, max_importance_weight=1.2)
 
 
+# pi_old / pi_behaviour per term, under each correction (cap 2, band [0.5, 2]): (weight, corrected)
+@pytest.mark.parametrize(
+    ("correction", "ratio", "weight", "corrected"),
+    [
+        ("none", 3.0, 1.0, 0.0),
+        ("tis", 1.5, 1.5, 0.0),
+        ("tis", 0.25, 0.25, 0.0),  # truncated above only
+        ("tis", 3.0, 2.0, 1.0),  # min(ratio, cap)
+        ("mask", 1.5, 1.5, 0.0),  # inside the band: the ratio itself
+        ("mask", 0.4, 0.0, 1.0),
+        ("mask", 3.0, 0.0, 1.0),
+    ],
+)
+def test_importance_weights_hand_values(correction, ratio, weight, corrected):
+    w, c = losses.importance_weights(torch.tensor([math.log(ratio)]), correction, cap=2.0, low=0.5, high=2.0)
+    assert w.item() == pytest.approx(weight, rel=1e-6) and c.item() == corrected
+
+
+def test_rollout_mask_drops_a_rollout_whose_geometric_mean_leaves_the_band():
+    # rollout 0: ratios 1.2 and 4 (geometric mean sqrt(4.8) = 2.19 > 2); rollout 1: 0.9 and 1.5 (1.16)
+    ratio = torch.tensor([1.2, 4.0, 0.9, 1.5])
+    per_rollout = torch.tensor([math.log(4.8) / 2] * 2 + [math.log(1.35) / 2] * 2)
+    token, _ = losses.importance_weights(ratio.log(), "mask", cap=2.0, low=0.5, high=2.0)
+    whole, dropped = losses.importance_weights(ratio.log(), "mask", cap=2.0, low=0.5, high=2.0,
+                                               rollout_log_ratio=per_rollout)
+    assert token.tolist() == pytest.approx([1.2, 0.0, 0.9, 1.5])
+    assert whole.tolist() == pytest.approx([0.0, 0.0, 0.9, 1.5]) and dropped.tolist() == [1, 1, 0, 0]
+
+
+def _policy_grad(correction: str, ratio: float, adv: float) -> tuple[float, float]:
+    """(loss, d loss / d logp) of one term whose learner/behaviour ratio is `ratio`."""
+    logp = torch.tensor([-0.7], requires_grad=True)
+    out = losses.policy_loss(logp, torch.tensor([-0.7 - math.log(ratio)]), torch.tensor([adv]),
+                             correction=correction, clip_low=0.2, clip_high=0.28, max_importance_weight=2.0,
+                             cap=2.0, low=0.5, high=2.0)
+    out.loss.sum().backward()
+    return out.loss.item(), logp.grad.item()
+
+
+@pytest.mark.parametrize(
+    ("correction", "ratio", "adv", "loss", "grad"),
+    [
+        # a positive advantage whose engine gap is past the clip: none clips it, tis keeps it weighted
+        ("none", 1.5, 1.0, -1.28, 0.0),
+        ("tis", 1.5, 1.0, -1.5, -1.5),  # -A w, w = 1.5: the ratio is applied once, not 1.5 x 1.5
+        ("mask", 1.5, 1.0, -1.5, -1.5),
+        ("tis", 3.0, 1.0, -2.0, -2.0),  # truncated at the cap
+        ("mask", 3.0, 1.0, 0.0, 0.0),  # dropped
+        # a negative advantage below the clip: none clips it, tis keeps it weighted
+        ("none", 0.5, -1.0, 0.8, 0.0),
+        ("tis", 0.5, -1.0, 0.5, 0.5),
+        ("mask", 0.4, -1.0, 0.0, 0.0),
+        # inside the clip band all three take the same gradient, -A r
+        ("none", 1.1, 1.0, -1.1, -1.1),
+        ("tis", 1.1, 1.0, -1.1, -1.1),
+        ("mask", 1.1, -1.0, 1.1, 1.1),
+    ],
+)
+def test_policy_loss_hand_values(correction, ratio, adv, loss, grad):
+    got_loss, got_grad = _policy_grad(correction, ratio, adv)
+    assert got_loss == pytest.approx(loss, rel=1e-5) and got_grad == pytest.approx(grad, rel=1e-5, abs=1e-7)
+
+
+def test_mismatch_terms_hand_values():
+    # learner - behaviour = log 1.5, log 0.5, 0: k3 = r - 1 - log r; outside [0.8, 1.28] for the first two
+    behaviour = torch.tensor([-1.0, -1.0, -2.0])
+    learner = behaviour + torch.tensor([math.log(1.5), math.log(0.5), 0.0])
+    k3, delta, outside = losses.mismatch_terms(learner, behaviour, clip_low=0.2, clip_high=0.28)
+    assert k3.tolist() == pytest.approx([0.5 - math.log(1.5), -0.5 - math.log(0.5), 0.0], abs=1e-7)
+    assert delta.tolist() == pytest.approx([math.log(1.5), math.log(2.0), 0.0], rel=1e-6)
+    assert outside.tolist() == [1.0, 1.0, 0.0]
+
+
 def test_kl_k3():
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.0])
     # delta = ref - logp = 0 and 1: exp(0)-0-1 = 0, exp(1)-1-1

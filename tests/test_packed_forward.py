@@ -326,3 +326,48 @@ def test_packed_attention_without_a_plan_is_sdpa_on_the_given_mask():
     torch.testing.assert_close(lm(tokens, attention_mask=causal).logits, want)
     with pytest.raises(ValueError, match="packed_plan"):
         lm(tokens)
+
+
+def test_flex_attention_runs_on_a_class_that_does_not_declare_it():
+    """transformers 5.25's Qwen3.5 refuses set_attn_implementation("flex_attention") (found on an
+    H200 by bench/gpu_check.py); the learner runs transformers' own flex function under its name
+    (FLEX) on the BlockMask, the recurrent layers given no mask. Forward only: CPU has no flex
+    backward."""
+    from polar_fast import merge
+    from polar_fast.config import LearnerConfig
+    from polar_fast.grpo import _attention_impl
+    from polar_fast.learner import packed_forward
+
+    lm = tiny_qwen35()
+    assert not lm._supports_flex_attn
+    assert _attention_impl(LearnerConfig(attention="flex_attention"), torch.device("cpu"), lm) == packed_forward.FLEX
+    assert _attention_impl(LearnerConfig(attention="flex_attention"), torch.device("cpu"), tiny_llama()) == "flex_attention"
+    calls = branchy_calls(np.random.default_rng(3), 211)
+    mb = merge.pack(merge.merge(calls, layout="tree", impl="reference"), max_tokens=4096, impl="reference")[0]
+    inputs = batch_tensors(mb, loss_terms(mb), "cpu")
+    with torch.no_grad():
+        reference = PackedLM(lm)(**inputs)
+        lm.set_attn_implementation(packed_forward.FLEX)
+        flex = PackedLM(lm)(**inputs)
+    torch.testing.assert_close(flex, reference, atol=1e-5, rtol=0)
+
+
+def test_packed_conv_keeps_the_convs_dtype_under_autocast(monkeypatch):
+    """Under bf16 autocast the conv runs in bf16 and the rows recomputed at segment starts in fp32;
+    CUDA's index_copy refuses the mix (found on an H200 by bench/gpu_check.py) where CPU's
+    promotes it, so here index_copy is made as strict as CUDA's."""
+    from polar_fast.learner import packed_recurrence
+
+    real = torch.Tensor.index_copy
+
+    def strict(self, dim, index, source):
+        assert self.dtype == source.dtype, f"index_copy of {source.dtype} into {self.dtype}"
+        return real(self, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy", strict)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(1, 8, 12), torch.randn(8, 4)
+    segments = packed_recurrence.plan(torch.tensor([12, 11, 10, 9, 8, 3, 2, 1, 4, 3, 2, 1]))  # a trunk, two branches
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = packed_recurrence.packed_conv1d(hidden, weight, None, "silu", segments)
+    assert out.shape == hidden.shape

@@ -8,6 +8,7 @@ differ, advantages are non-zero and the learner really updates the weights.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,10 +17,15 @@ import time
 import urllib.request
 
 import anyio
+import msgspec
 import pytest
+import torch
 
 from polar_fast import merge
 from polar_fast.config import parse_config
+from polar_fast.engines.scripted import ScriptedEngine
+from polar_fast.grpo import MismatchError
+from polar_fast.model import load_model, load_tokenizer
 from polar_fast.records import Outcome, RunEndRecord, read_log
 from polar_fast.report.view.browser import view_server
 from polar_fast.rollouts.tasks import load_builtin
@@ -123,6 +129,52 @@ async def test_engine_down_is_an_infra_error_never_scored(tmp_path):
     contents = await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")
     final = [r for r in contents.rollouts if r.group_id == contents.rollouts[0].group_id]
     assert all(r.reward is None and "engine" in r.error for r in final)
+
+
+class ShiftedEngine(ScriptedEngine):
+    """Scripted choices recorded with SmolLM2's own logprobs (a forward per call, at temperature 1)
+    plus `shift`: a misconfigured engine, as the run sees one."""
+
+    made_up_logprobs = False
+
+    def __init__(self, replies: list[str], tokenizer, model, shift: float) -> None:
+        super().__init__(replies, tokenizer)
+        self.model, self.shift = model, shift
+
+    async def generate(self, prompt_ids, sampling, *, session_id: str = ""):
+        gen = await super().generate(prompt_ids, sampling, session_id=session_id)
+        own = await anyio.to_thread.run_sync(self._logprobs, list(prompt_ids), gen.token_ids)
+        return msgspec.structs.replace(gen, logprobs=[lp + self.shift for lp in own])
+
+    @torch.no_grad()
+    def _logprobs(self, prompt: list[int], ids: list[int]) -> list[float]:
+        logits = self.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+        return logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_an_engine_that_disagrees_with_the_learner_stops_the_run_at_its_first_step(tmp_path):
+    cfg = run_config(tmp_path)
+    tokenizer, model = await anyio.to_thread.run_sync(lambda: (load_tokenizer(cfg.model.path),
+                                                               load_model(cfg.model.path).eval()))
+    with pytest.raises(MismatchError) as caught:  # itself, not inside the TaskGroups' exception groups
+        await train(cfg, engine=ShiftedEngine(GROUP_REPLIES, tokenizer, model, shift=1.0))
+    text = str(caught.value)
+    assert "learner.max_mismatch_kl = 0.01" in text and "The run stopped before training" in text
+    assert "engine.dtype = float32, learner.dtype = float32" in text and "\n- a kernel:" in text
+    figures = caught.value.figures
+    assert figures.abs_mean == pytest.approx(1.0, abs=1e-3) and figures.abs_max == pytest.approx(1.0, abs=1e-3)
+    assert figures.kl == pytest.approx(math.exp(-1.0), abs=1e-3)  # k3 at r = e^-1: e^-1 - 1 + 1
+    await anyio.to_thread.run_sync(check_nothing_trained, tmp_path / "run")
+
+
+def check_nothing_trained(run) -> None:
+    metrics = run / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text()  # no step was logged
+    assert not list(run.glob("checkpoints/*.pt"))  # nor saved
+    assert len(read_log(run / "records.log").calls) >= 4  # what the rollouts captured is kept
 
 
 @pytest.mark.anyio

@@ -181,7 +181,8 @@ def test_the_plotted_values_equal_metrics_jsonl(run_dir, browser_required, tmp_p
                 [c.parentNode.dataset.key, +c.dataset.step, +c.dataset.value]);""")
         keys = {k for k, _, _ in plotted}
         for wanted in ("reward/mean", "reward/std", "pools/agent/busy_fraction", "pools/boot/queued",
-                       "proxy/sampled_tokens", "merge/tokens_forwarded", "staleness/max"):
+                       "proxy/sampled_tokens", "merge/tokens_forwarded", "staleness/max",
+                       "learner/clip_frac", "learner/ratio_mean", "learner/mismatch_kl", "learner/mismatch_abs_max"):
             assert wanted in keys
         assert len(plotted) == len({(k, s) for k, s, _ in plotted})
         for key, step, value in plotted:

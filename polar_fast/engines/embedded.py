@@ -7,7 +7,9 @@ at the next step; a call that finishes leaves at once, and its slot goes to the 
 (at most `engine.max_batch` calls in the batch). One forward serves all of them, so each weight
 is read once per step for the whole batch: on a CPU a decode step costs about as much for eight
 calls as for one. Attention keeps calls apart (batched_attention.py): each call has its own KV
-cache, and SDPA runs per call over it.
+cache; calls that share a prefix (the harness's system prompt) read one shared copy of it, all
+their queries in one SDPA call against it, then each its own part, merged by log-sum-exp
+(cascade attention).
 
 Prefill is chunked and shares the step with decode, rather than running as a step of its own:
 a joining call's ~1-2k-token prompt would otherwise stall every running call for seconds (a

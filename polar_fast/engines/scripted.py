@@ -27,6 +27,8 @@ def scripted_generation(ids: Sequence[int], sampling: Sampling) -> Generation:
 
 
 class ScriptedEngine:
+    made_up_logprobs = True  # no policy computed them: a run on this engine has no mismatch gate (train.py)
+
     def __init__(
         self,
         replies: list[list[int]] | list[str],
@@ -90,6 +92,8 @@ class PlaybookEngine:
     is a list of alternatives; the n-th session of a play gets alternative n (cyclic), so a task
     run k times gets a known mix of good and bad samples whatever order the sessions start in.
     The reply ENGINE_DOWN raises EngineUnavailable on every call of its session."""
+
+    made_up_logprobs = True
 
     def __init__(self, plays: dict[str, list[list[str]]], tokenizer) -> None:
         self.policy_version = 0

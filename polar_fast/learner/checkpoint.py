@@ -3,7 +3,8 @@
 Full (unsharded) state dicts via torch.distributed.checkpoint.state_dict, which works the same
 for a plain module and an FSDP2-sharded one; rank 0 writes `step_<N>.pt` atomically and
 `latest` names the newest. Resume restores the RNGs, so a resumed run draws the same numbers
-as an uninterrupted one.
+as an uninterrupted one. `prune_checkpoints` keeps the newest N (run.keep_checkpoints), never the
+one `latest` names; `export_hf` writes a checkpoint's weights as an HF model directory.
 
 A write that fails (disk full, permission) raises CheckpointError on every rank, with the file
 and the error; its `.tmp` file is removed, and `latest` still names the previous checkpoint,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from polar_fast.errors import PolarError
 
+
+class CheckpointError(PolarError, ValueError):
+    """A checkpoint cannot be written, read or exported; the message names the file and why
+    (a write that failed leaves the previous checkpoint untouched)."""
+
+
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-class CheckpointError(PolarError):
-    """A checkpoint could not be written; the previous one is untouched."""
 
 
 def _rank() -> int:
@@ -113,6 +117,57 @@ def _tensor_bytes(value: Any) -> int:
 def latest_checkpoint(directory: str | Path) -> Path | None:
     marker = Path(directory) / "latest"
     return Path(directory) / marker.read_text().strip() if marker.exists() else None
+
+
+def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (by step) under `directory`, with the `.hf`
+    model dirs exported from them; the one `latest` names always stays. keep = 0 keeps all.
+    Returns what was deleted."""
+    if keep <= 0:
+        return []
+    directory = Path(directory)
+    steps = sorted((int(m.group(1)), p) for p in directory.glob("step_*.pt")
+                   if (m := re.fullmatch(r"step_(\d+)\.pt", p.name)))
+    latest = latest_checkpoint(directory)
+    removed = []
+    for _, path in steps[:-keep]:
+        if latest is not None and path.name == latest.name:
+            continue
+        path.unlink(missing_ok=True)
+        shutil.rmtree(path.with_name(path.name + ".hf"), ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def export_hf(checkpoint: str | Path, base_path: str, out: str | Path) -> Path:
+    """The weights of learner checkpoint `checkpoint` (step_N.pt, or the newest in its directory)
+    as an HF model directory `out` (config and tokenizer of the base model `base_path`, whose
+    architecture the checkpoint must have): loadable by transformers, vLLM, `eval --checkpoint`
+    or `model.path`. Raises CheckpointError naming what is wrong."""
+    from polar_fast.model import load_model, load_tokenizer
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"{checkpoint}: a directory without a `latest` file holds no learner checkpoint")
+        path = found
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        model = load_model(base_path, dtype="float32", device="cpu")
+        model.load_state_dict(lm_state_dict(payload))
+    except (KeyError, RuntimeError, OSError, EOFError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot load it into model {base_path or 'default'}: {e}") from None
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    load_tokenizer(base_path).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
 
 
 def lm_state_dict(payload: dict[str, Any]) -> dict[str, torch.Tensor]:

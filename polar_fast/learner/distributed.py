@@ -8,7 +8,7 @@ its builder to `follow`) and follow.
 Every learner call that is collective under FSDP2 is announced by rank 0 with one message on a
 CPU (gloo) control group, then every rank makes the same call with the same data:
 
-    step    groups             every rank: learner.step(groups)
+    step    groups, gate       every rank: learner.step(groups, gate=gate) (the first step's mismatch gate)
     sync                       every rank reads learner.weight_stream(); rank 0 pushes it
     save    directory          every rank: learner.save(directory) (rank 0 writes the file)
     resume  directory          every rank: learner.resume(directory)
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence
 import msgspec
 
 from polar_fast.errors import ConfigError
+from polar_fast.learner.mismatch import Gate
 from polar_fast.rollouts.groups import GroupRecord
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["step", "sync", "save", "resume", "stop"]
     directory: str = ""
     groups: list[GroupRecord] = []
+    gate: Gate | None = None
 
 
 class Learner(Protocol):
@@ -61,7 +63,7 @@ class Learner(Protocol):
     world: int
     version: int
 
-    def step(self, groups: Sequence[GroupRecord]) -> Any: ...
+    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None) -> Any: ...
 
     def weight_stream(self) -> Any: ...
 
@@ -138,9 +140,9 @@ class Leader:
     def _send(self, message: Message) -> None:
         _broadcast(message, self._group)
 
-    def step(self, groups: Sequence[GroupRecord]):
-        self._send(Message(kind="step", groups=list(groups)))
-        return self.learner.step(groups)
+    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None):
+        self._send(Message(kind="step", groups=list(groups), gate=gate))
+        return self.learner.step(groups, gate=gate)
 
     async def sync_weights(self, sync: Any) -> None:
         """As Learner.sync_weights, with the gathering off the event loop."""
@@ -182,8 +184,8 @@ def follow(cfg: Config, build_learner: Callable[[Config], Learner]) -> int:
     while True:
         message = _broadcast(None, group)
         match message.kind:
-            case "step":
-                learner.step(message.groups)
+            case "step":  # a failed gate raises here as on rank 0: torchrun stops the ranks
+                learner.step(message.groups, gate=message.gate)
                 steps += 1
             case "sync":
                 for _ in learner.weight_stream():  # the gathers are the collective part, in rank 0's order

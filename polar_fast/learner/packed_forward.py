@@ -12,7 +12,10 @@ its ancestors (see learner/packed_attention.py). A model left on plain "sdpa" ge
 (1, 1, T, T) mask; eager gets the same as an additive float mask; `flex_attention` gets a
 FlexAttention BlockMask built from the same rule, which skips fully masked blocks (the sparse
 part of a tree). transformers passes a 4D mask / BlockMask through to the attention function
-untouched. We do not special-case flash-attn varlen for `paths`: the BlockMask is equally sparse
+untouched; a hybrid model (Qwen3.5) gets it as a per-layer-type mapping, the recurrent layers
+`None` (their packing is packed_recurrence's). A model class whose transformers code does not
+declare FlexAttention support (Qwen3.5 in transformers 5.25) runs transformers' own
+flex_attention_forward registered under FLEX: our BlockMask is all it needs. We do not special-case flash-attn varlen for `paths`: the BlockMask is equally sparse
 for block-diagonal masks.
 
 Logprobs. The logprob of a sampled token q is read from the hidden state of its PARENT
@@ -36,6 +39,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polar_fast.learner import packed_attention, packed_recurrence
+
+FLEX = "polar_fast_flex"  # transformers' flex_attention_forward, for classes that do not declare it
+FLEX_NAMES = ("flex_attention", FLEX)
 
 
 class Terms(NamedTuple):
@@ -89,16 +95,39 @@ def block_mask(size: torch.Tensor) -> Any:
 
 
 @functools.cache
+def flex_kernel_options() -> dict[str, Any]:
+    """FlexAttention's standard Triton kernel, never its decoding kernel: every packed query is a
+    whole row, but with fewer than 128 tokens (the start-up check's tiny batches) AUTO picks the
+    decoding kernel, which on torch 2.11 has no configuration for fp32 (NoValidChoicesError, found
+    by bench/gpu_check.py on an H200). Older torch names the same choice FORCE_USE_FLEX_ATTENTION."""
+    from typing import get_type_hints
+
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if "BACKEND" in get_type_hints(FlexKernelOptions):
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}
+
+
+@functools.cache
 def _compiled_create_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
     return torch.compile(create_block_mask)
 
 
+def register_flex() -> None:
+    """Register FLEX (idempotent; imports transformers' flex integration only when asked for)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    AttentionInterface.register(FLEX, flex_attention_forward)
+
+
 def attention_mask_for(model: nn.Module, size: torch.Tensor, dtype: torch.dtype) -> Any:
     """The mask in the form the model's attention implementation takes."""
     impl = getattr(model.config, "_attn_implementation", "sdpa")
-    if impl == "flex_attention":
+    if impl in FLEX_NAMES:
         return block_mask(size)
     mask = dense_mask(size)
     if impl == "eager":  # eager adds the mask to the scores
@@ -136,6 +165,12 @@ class PackedLM(nn.Module):
             extra = {"attention_mask": None, "packed_plan": packed_attention.plan(size, self.lm.dtype)}
         else:
             extra = {"attention_mask": attention_mask_for(self.lm, size, self.lm.dtype)}
+            if getattr(self.lm.config, "_attn_implementation", None) in FLEX_NAMES and size.is_cuda:
+                extra["kernel_options"] = flex_kernel_options()
+            if self.recurrent:  # a BlockMask is no 2D padding mask: the recurrent layers get None
+                types = getattr(self.lm.config, "layer_types", None) or []
+                extra["attention_mask"] = {t: None if t == "linear_attention" else extra["attention_mask"]
+                                           for t in set(types)}
         if self.recurrent:
             extra[packed_recurrence.KEYWORD] = packed_recurrence.plan(size)
         hidden = decoder(

@@ -167,7 +167,7 @@ def packed_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch
         fixed = (inputs * weight[None, :, None, :]).sum(-1)
         if bias is not None:
             fixed = fixed + bias[None, :, None]
-        out = out.index_copy(2, rows, fixed)
+        out = out.index_copy(2, rows, fixed.to(out.dtype))  # CUDA autocast runs the conv in bf16
     if activation is not None:
         from transformers.activations import ACT2FN
 

@@ -2,18 +2,25 @@
 `groups.jsonl`, one line per finished group saying which learner step took it or withheld it
 (the view reads it to say whether a rollout's tokens were trained).
 
-Both sinks take the same flat dict of numbers (nested dicts are flattened with "/"), so what a
-user greps in the JSONL is what they plot in TensorBoard. Writes happen in a worker thread: file
-I/O stays off the event loop.
+Every sink takes the same flat dict of numbers (nested dicts are flattened with "/"), so what a
+user greps in the JSONL is what they plot in TensorBoard or, with `run.wandb` on (the optional
+`wandb` extra), in Weights & Biases: one W&B run per output dir, its id derived from the dir so a
+resumed run continues it, files under `<output_dir>/wandb`. Writes happen in a worker thread:
+file I/O stays off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 from pathlib import Path
 from typing import Any
+
+from polar_fast.errors import ConfigError
+
+WANDB_HINT = 'uv pip install -p .venv -e ".[wandb]"'
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -29,8 +36,20 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def open_wandb(run_dir: Path, *, mode: str, project: str, config: dict | None = None):
+    """A W&B run for this output dir (mode "online" or "offline"), resumed if it exists."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(f"run.wandb = {mode!r} needs the optional wandb package: {WANDB_HINT}") from None
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
+                      mode=mode, config=config or {})
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: Path, *, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool, wandb: str = "off", wandb_project: str = "polar_fast",
+                 config: dict | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.groups_path = run_dir / "groups.jsonl"
         self._tb = None
@@ -38,6 +57,9 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._wandb = None
+        if wandb != "off":
+            self._wandb = open_wandb(run_dir, mode=wandb, project=wandb_project, config=config)
 
     def write_sync(self, step: int, values: dict[str, Any]) -> dict[str, float]:
         flat = flatten(values)
@@ -47,6 +69,8 @@ class MetricsWriter:
             for name, value in flat.items():
                 self._tb.add_scalar(name, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(flat, step=step)
         return flat
 
     async def write(self, step: int, values: dict[str, Any]) -> dict[str, float]:
@@ -63,3 +87,5 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -55,9 +55,11 @@ class Progress:
         elif kind == "step":
             causes = "  ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in data.items()
                                if k.startswith("causes/") and v and not k.endswith("/zero_reward"))
+            mismatch = (f"  mismatch kl {data['learner/mismatch_kl']:.1e} max|d| {data['learner/mismatch_abs_max']:.2f}"
+                        if "learner/mismatch_kl" in data else "")
             self._bar.update(self._steps, completed=int(data["learner/step"]),
                              detail=f"reward {data['reward/mean']:.2f}  loss {data['learner/loss']:.4f}"
-                                    + (f"  {causes}" if causes else ""))
+                                    + mismatch + (f"  {causes}" if causes else ""))
 
     def print_summary(self, summary, *, console: Console | None = None) -> None:
         console = console or Console()
@@ -118,6 +120,7 @@ SUMMARY_COLUMNS = [
     ("step s", "step_time_s", "{:.1f}"),
     ("per-call /\nmerged", "merge/per_call_over_merged", "{:.2f}"),
     ("clip", "learner/clip_frac", "{:.3f}"),
+    ("mismatch\nkl", "learner/mismatch_kl", "{:.1e}"),
     ("reward\nstd", "reward/std", "{:.3f}"),
     ("zero-var\ngroups", "reward/zero_variance_groups", "{:.0f}"),
     ("max\nstaleness", "staleness/max", "{:.0f}"),

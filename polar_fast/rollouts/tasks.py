@@ -32,8 +32,9 @@ from polar_fast.rollouts.task_rows import (
     snapshot_files,
 )
 
-__all__ = ["DiffTooLarge", "Task", "TaskError", "load_builtin", "load_tasks", "parse_task", "patch_files", "prepare_repo",
-           "repo_diff", "scrub_history", "snapshot_commit", "snapshot_files"]
+__all__ = ["DiffTooLarge", "Task", "TaskError", "has_splits", "load_builtin", "load_tasks", "parse_task",
+           "patch_files", "prepare_repo", "repo_diff", "scrub_history", "shared_tasks", "snapshot_commit",
+           "snapshot_files"]
 
 BUILTIN_DIR = Path(__file__).with_name("tasks_builtin")
 
@@ -57,6 +58,27 @@ def load_tasks(source: str, *, split: str = "train", limit: int = 0, shuffle_see
     if shuffle_seed:
         random.Random(shuffle_seed).shuffle(tasks)
     return tasks[:limit] if limit else tasks
+
+
+def has_splits(source: str) -> bool:
+    """Whether a task source holds splits (families, a datasets dir) or is one set of rows
+    ("builtin", a .jsonl / .parquet file), whatever split is asked of it."""
+    return source == "families" or (source != "builtin" and Path(source).is_dir())
+
+
+def shared_tasks(train: Iterable[Task], other: Iterable[Task]) -> list[str]:
+    """What `other` shares with `train`, one description per shared task: the same instance_id,
+    or the same repo at the same base_commit (one repo state seen twice under two ids)."""
+    train = list(train)
+    ids = {t.instance_id for t in train}
+    states = {(t.repo, t.base_commit) for t in train if t.repo and t.base_commit}
+    shared = []
+    for t in other:
+        if t.instance_id in ids:
+            shared.append(f"instance_id {t.instance_id}")
+        elif (t.repo, t.base_commit) in states:
+            shared.append(f"{t.instance_id} (repo {t.repo} at base_commit {t.base_commit[:12]})")
+    return shared
 
 
 def _validate(rows: Iterable[Any], source: str, *, image: str = "") -> Iterator[Task]:

@@ -30,10 +30,10 @@ class MiniSweAgentTeacher:
         def say(step: str, command: str) -> str:
             return f"{moves.thought(step, plan, rng)}\n\n{bash_call(command)}"
 
-        out = [say("search", moves.search_command(plan, rng)), say("read", moves.read_command(plan, rng))]
-        if plan.call and rng.random() < 0.7:
+        out = [say("search", moves.search_command(plan)), say("read", moves.read_command(plan))]
+        if plan.call:
             out.append(say("reproduce", moves.reproduce_command(plan)))
-        out.append(say("edit", moves.edit_command(plan, rng)))
+        out.append(say("edit", moves.edit_command(plan)))
         out.append(say("check", moves.check_command(plan, task.test_command)))
         out.append(say("submit", SUBMIT))
         return out

@@ -1,5 +1,13 @@
-"""The pieces every teacher's demonstration is made of, harness-neutral: shell commands for each
-step of the plan in a few equivalent forms, and lines of reasoning that name what was found."""
+"""The pieces every teacher's demonstration is made of, harness-neutral: one shell command form
+per step of the plan, and lines of reasoning, worded variously, that name what was found.
+
+Why one form per step: the policy learns from a few dozen demonstrations. With three equivalent
+edit forms (sed, python3 -c, a heredoc) each seen a third of the time, SmolLM2-135M wrote the
+right fix in its reasoning ("replacing `a - b` with `a + b` fixes it") and then issued a read
+command, the form it had seen in every demonstration: 0 of 10 validation samples passed. The
+edit is `python3 -c` with str.replace, whose strings are copied literally from the file (sed needs
+escapes that differ from the text), so every variable part of a command is a copy of something
+in the conversation."""
 
 from __future__ import annotations
 
@@ -9,19 +17,12 @@ import shlex
 
 from polar_fast.teachers.plan import FixPlan
 
-SED_DELIMITERS = "|#@!,%"
+def search_command(plan: FixPlan) -> str:
+    return f"grep -rn {shlex.quote(plan.symbol)} --include='*.py' ."
 
 
-def search_command(plan: FixPlan, rng: random.Random) -> str:
-    s = plan.symbol
-    forms = [f"grep -rn {shlex.quote(s)} --include='*.py' .",
-             f"grep -rn {shlex.quote('def ' + s)} --include='*.py' . || grep -rn {shlex.quote(s)} --include='*.py' .",
-             "find . -name '*.py' -not -path './.git/*' | sort"]
-    return rng.choices(forms, weights=[5, 2, 2])[0]
-
-
-def read_command(plan: FixPlan, rng: random.Random) -> str:
-    return rng.choice([f"cat {plan.path}", f"nl -ba {plan.path}", f"sed -n '1,80p' {plan.path}"])
+def read_command(plan: FixPlan) -> str:
+    return f"cat {plan.path}"
 
 
 def reproduce_command(plan: FixPlan) -> str:
@@ -61,50 +62,20 @@ def word_swap(plan: FixPlan) -> tuple[str, str] | None:
     return (name, renamed) if ok else None
 
 
-def edit_command(plan: FixPlan, rng: random.Random) -> str:
-    """One command making every edit: sed (single-line edits only), python3 -c, or a heredoc. A
-    rename replaces the name everywhere in the file, as a person would."""
+def edit_command(plan: FixPlan) -> str:
+    """One command making every edit, `python3 -c` with str.replace per edit. A rename replaces
+    the name everywhere in each file, as a person would."""
     if swap := word_swap(plan):
         name, renamed = swap
-        paths = sorted({path for path, _, _ in plan.edits})
-        if rng.random() < 0.5:
-            return f"sed -i 's/\\b{name}\\b/{renamed}/g' {' '.join(paths)}"
-        return " && ".join(f"python3 -c \"from pathlib import Path; p = Path('{path}'); "
-                           f"p.write_text(p.read_text().replace('{name}', '{renamed}'))\"" for path in paths)
-    one_line = all("\n" not in old + new for _, old, new in plan.edits)
-    forms = ["python", "heredoc"] + (["sed"] if one_line and _delimiter(plan) else [])
-    form = rng.choices(forms, weights=[4, 2, 4][: len(forms)])[0]
-    if form == "sed":
-        d = _delimiter(plan)
-        by_path: dict[str, list[str]] = {}
-        for path, old, new in plan.edits:
-            by_path.setdefault(path, []).append(f"-e {shell_quote(f's{d}{_bre(old, d)}{d}{_repl(new, d)}{d}')}")
-        return " && ".join(f"sed -i {' '.join(exprs)} {path}" for path, exprs in by_path.items())
-    if form == "python":
-        parts = []
-        for path, old, new in plan.edits:
-            code = (f"from pathlib import Path; p = Path({path!r}); s = p.read_text(); "
-                    f"p.write_text(s.replace({old!r}, {new!r}, 1))")
-            parts.append(f"python3 -c {shell_quote(code)}")
-        return " && ".join(parts)
-    lines = ["python3 - <<'EOF'", "from pathlib import Path"]
-    for path, old, new in plan.edits:
-        lines += [f"p = Path({path!r})", f"p.write_text(p.read_text().replace({old!r}, {new!r}, 1))"]
-    return "\n".join([*lines, "EOF"])
-
-
-def _delimiter(plan: FixPlan) -> str:
-    text = "".join(old + new for _, old, new in plan.edits)
-    return next((d for d in SED_DELIMITERS if d not in text), "")
-
-
-def _bre(text: str, delimiter: str) -> str:
-    """`text` as a basic regular expression matching itself."""
-    return "".join("\\" + c if c in ".*[]^$\\" + delimiter else c for c in text)
-
-
-def _repl(text: str, delimiter: str) -> str:
-    return "".join("\\" + c if c in "&\\" + delimiter else c for c in text)
+        edits = [(path, name, renamed, -1) for path in sorted({path for path, _, _ in plan.edits})]
+    else:
+        edits = [(path, old, new, 1) for path, old, new in plan.edits]
+    parts = []
+    for path, old, new, count in edits:
+        code = (f"from pathlib import Path; p = Path({path!r}); s = p.read_text(); "
+                f"p.write_text(s.replace({old!r}, {new!r}, {count}))")
+        parts.append(f"python3 -c {shell_quote(code)}")
+    return " && ".join(parts)
 
 
 def _quote(text: str) -> str:

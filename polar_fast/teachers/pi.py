@@ -18,9 +18,9 @@ class PiTeacher:
         def say(step: str, name: str, arguments: dict) -> str:
             return f"{moves.thought(step, plan, rng)}\n{tool_call(name, arguments)}"
 
-        out = [say("search", "bash", {"command": moves.search_command(plan, rng)}),
+        out = [say("search", "bash", {"command": moves.search_command(plan)}),
                say("read", "read", {"path": plan.path})]
-        if plan.call and rng.random() < 0.7:
+        if plan.call:
             out.append(say("reproduce", "bash", {"command": moves.reproduce_command(plan)}))
         by_path: dict[str, list[dict[str, str]]] = {}
         for path, old, new in plan.edits:

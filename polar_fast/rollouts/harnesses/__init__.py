@@ -50,6 +50,12 @@ class Harness(Protocol):
         inside the sandbox (a read-only mount, or the host path for local sandboxes)."""
         ...
 
+    def compaction_threshold(self, limits: ModelLimits) -> int | None:
+        """The prompt size, in tokens, at which the harness compacts its history when told
+        `limits` (its own formula, before the adapter clamps a setting into range: zero or
+        less means it would compact on every call); None when it never compacts."""
+        ...
+
 
 def _build() -> dict[str, Harness]:
     from polar_fast.rollouts.harnesses.claude_code import ClaudeCode

@@ -42,14 +42,22 @@ def compaction_env(limits: ModelLimits) -> dict[str, str]:
     env = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(window),
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(limits.max_output_tokens)}
     if window > limits.context_tokens:
-        threshold = limits.context_tokens - reserve - AUTOCOMPACT_BUFFER
+        threshold = compaction_threshold(limits)
         pct = 100 * max(threshold, 1) / (window - reserve)
         env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] = f"{max(pct, 0.01):.2f}"
     return env
 
 
+def compaction_threshold(limits: ModelLimits) -> int:
+    """Where a native window of `context_tokens` compacts: window - min(out, 20k) - 13k."""
+    return limits.context_tokens - min(limits.max_output_tokens, SUMMARY_RESERVE_MAX) - AUTOCOMPACT_BUFFER
+
+
 class ClaudeCode:
     name = "claude-code"
+
+    def compaction_threshold(self, limits: ModelLimits) -> int:
+        return compaction_threshold(limits)
 
     def install(self, bundle_root: Path) -> Path:
         return install_npm_harness(bundle_root, self.name, PACKAGES, "claude", with_node=False)

@@ -27,8 +27,13 @@ from polar_fast.rollouts.harnesses.env import base_env
 PACKAGES = {"@openai/codex": "0.171.0"}
 
 
+def compaction_threshold(limits: ModelLimits) -> int:
+    """The context less one reply at the output cap, less a tenth for the next tool output."""
+    return limits.context_tokens * 9 // 10 - limits.max_output_tokens
+
+
 def auto_compact_token_limit(limits: ModelLimits) -> int:
-    return max(1, limits.context_tokens * 9 // 10 - limits.max_output_tokens)
+    return max(1, compaction_threshold(limits))
 
 
 def _toml_str(text: str) -> str:
@@ -37,6 +42,9 @@ def _toml_str(text: str) -> str:
 
 class Codex:
     name = "codex"
+
+    def compaction_threshold(self, limits: ModelLimits) -> int:
+        return compaction_threshold(limits)
 
     def install(self, bundle_root: Path) -> Path:
         return install_npm_harness(bundle_root, self.name, PACKAGES, "codex")

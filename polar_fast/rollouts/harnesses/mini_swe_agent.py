@@ -42,6 +42,9 @@ class MiniSweAgent:
     # mini.yaml's format_error_template, which it sends back after a reply it cannot use
     format_error_markers = ("Tool call error:", "reached the output token limit")
 
+    def compaction_threshold(self, limits: ModelLimits) -> None:
+        return None  # its prompt only grows: the context caps the run
+
     def install(self, bundle_root: Path) -> Path:
         def build(tmp: Path) -> None:
             pip_install_target(tmp / "site", [REQUIREMENT], what="mini-swe-agent pip install")

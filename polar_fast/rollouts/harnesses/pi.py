@@ -28,6 +28,11 @@ PROVIDER = "polar"
 DEFAULT_KEEP_RECENT_TOKENS = 20_000  # Pi's own default
 
 
+def compaction_threshold(limits: ModelLimits) -> int:
+    """contextWindow - reserveTokens, with reserve = one reply at the cap + a tenth of the window."""
+    return limits.context_tokens - (limits.max_output_tokens + limits.context_tokens // 10)
+
+
 def compaction_settings(limits: ModelLimits) -> dict[str, int | bool]:
     window = limits.context_tokens
     return {"enabled": True, "reserveTokens": limits.max_output_tokens + window // 10,
@@ -36,6 +41,9 @@ def compaction_settings(limits: ModelLimits) -> dict[str, int | bool]:
 
 class Pi:
     name = "pi"
+
+    def compaction_threshold(self, limits: ModelLimits) -> int:
+        return compaction_threshold(limits)
 
     def install(self, bundle_root: Path) -> Path:
         return install_npm_harness(bundle_root, self.name, PACKAGES, "pi")

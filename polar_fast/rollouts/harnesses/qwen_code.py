@@ -33,6 +33,16 @@ PACKAGES = {"@qwen-code/qwen-code": "0.24.4"}
 EXIT_WAIT_FILE = ".qwen/shell_exit_wait.sh"  # relative to HOME
 EXIT_WAIT = 'unset BASH_ENV\ntrap "sleep 0.1" EXIT\n'
 DEFAULT_AUTO_COMPACT_FRACTION = 0.85  # Qwen Code's own default
+QWEN_SUMMARY_RESERVE, QWEN_COMPACT_BUFFER = 20_000, 13_000  # its second bound: window - 20k - 13k
+
+
+def compaction_threshold(limits: ModelLimits) -> int:
+    """One reply at the output cap and a tenth of the window below the window (at most Qwen
+    Code's own 85%), and below `window - 33k` where that is positive."""
+    window = limits.context_tokens
+    threshold = min(int(DEFAULT_AUTO_COMPACT_FRACTION * window), window - limits.max_output_tokens - window // 10)
+    native = window - QWEN_SUMMARY_RESERVE - QWEN_COMPACT_BUFFER
+    return min(threshold, native) if native > 0 else threshold
 
 
 def auto_compact_fraction(limits: ModelLimits) -> float:
@@ -43,6 +53,9 @@ def auto_compact_fraction(limits: ModelLimits) -> float:
 
 class QwenCode:
     name = "qwen-code"
+
+    def compaction_threshold(self, limits: ModelLimits) -> int:
+        return compaction_threshold(limits)
 
     def install(self, bundle_root: Path) -> Path:
         return install_npm_harness(bundle_root, self.name, PACKAGES, "qwen")

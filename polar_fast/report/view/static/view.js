@@ -58,7 +58,9 @@ const CHARTS = [
   ["queues", "Pool queue depth and running", k => /^pools\/.*\/(queued|running)$/.test(k)],
   ["tokens", "Tokens: sampled vs forwarded", k => ["proxy/sampled_tokens", "merge/tokens_forwarded", "proxy/call_tokens"].includes(k)],
   ["staleness", "Staleness", k => k.startsWith("staleness/")],
-  ["learner", "Learner", k => ["learner/loss", "learner/grad_norm", "learner/clip_fraction"].includes(k)],
+  ["learner", "Learner", k => ["learner/loss", "learner/grad_norm", "learner/clip_frac", "learner/ratio_mean",
+                               "learner/is_weight_mean"].includes(k)],
+  ["mismatch", "Engine/learner mismatch, before each update", k => /^learner\/(mismatch_|is_corrected$)/.test(k)],
 ];
 
 function lineChart(id, title, metrics, keys) {
