@@ -392,8 +392,11 @@ async def test_a_box_that_fills_its_disk_is_scored_and_the_host_disk_is_untouche
 
     # r0 fixes the task, then writes twice its bound; r1 looks and gives up. Both are scored.
     replies = [bash_call(fix_command(TASK.patch)), FILL_BOX, SUBMIT, bash_call("ls"), SUBMIT]
+    # a two-layer model with SmolLM2's tokenizer: the step is trained, in seconds rather than a minute
+    model_dir = await anyio.to_thread.run_sync(tiny_model_dir, tmp_path / "model")
     raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none", "disk_mb": BOX_DISK_MB},
-                     run={"groups_in_flight": 1, "tensorboard": False})
+                     run={"groups_in_flight": 1, "tensorboard": False},
+                     model={"path": str(model_dir), "max_context_tokens": 4096}, merge={"max_tokens": 4096})
     cfg = parse_config(raw)
     out = tmp_path / "run"
     run_id = await anyio.to_thread.run_sync(run_id_for, out)
