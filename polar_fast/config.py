@@ -102,6 +102,9 @@ class SandboxConfig(_Section):
     workdir: str = "/testbed"  # repo location inside the sandbox
     user: str = "1000:1000"  # docker: uid:gid every command in the box runs as (never root)
     read_only_root: bool = True  # docker: image file system read-only; repo and /tmp stay writable
+    # docker: MiB each writable file system of a box holds (the repo at workdir, its copy of the
+    # image's repo included; /tmp); a write past it gets ENOSPC in the box. 0 = unbounded
+    disk_mb: int = 1024
 
 
 class HarnessConfig(_Section):
@@ -247,6 +250,9 @@ class RunConfig(_Section):
     seed: int = 0  # task order (each epoch's shuffle); docs/config.md "Seeds" lists every seed
     checkpoint_every: int = 1  # steps
     keep_checkpoints: int = 0  # checkpoints kept on disk, newest first (the last is always kept); 0 = all
+    # MiB that must stay free on Docker's data root and on output_dir, beyond sandbox.disk_mb,
+    # before a new box boots; boots wait until there is room
+    min_free_disk_mb: int = 2048
     tensorboard: bool = True
     wandb: Literal["off", "online", "offline"] = "off"  # also log metrics to Weights & Biases (extra `wandb`)
     wandb_project: str = "polar_fast"  # W&B project; the run is named after output_dir

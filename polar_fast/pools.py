@@ -30,11 +30,18 @@ finished members, and GRPO's advantage is taken over those, which biases learnin
 rollouts (the long ones are exactly those left out). The late rollouts still finish and are
 recorded, and go to `on_late` as FinishedRollouts (never trained).
 
-Outcomes: ok (reward from the tests), agent_error and timeout (reward 0, no eval), infra_error
-(sandbox died or would not boot, evaluation sandbox failed): retried up to `infra_retries` times
-with a fresh sandbox and a new rollout id (`<id>.a<attempt>`; the calls captured during a failed
-attempt never join the group, they stay in the record log), then recorded with reward None, never
-as 0.
+Outcomes: ok (reward from the tests), agent_error, timeout and diff_too_large (its diff passed
+the sandbox's output cap; reward 0, no eval), infra_error (sandbox died or would not boot,
+evaluation sandbox failed): retried up to `infra_retries` times with a fresh sandbox and a new
+rollout id (`<id>.a<attempt>`; the calls captured during a failed attempt never join the group,
+they stay in the record log), then recorded with reward None, never as 0. A box that fills its
+own disk (sandbox.disk_mb) is the agent's doing: its diff is read without writing to the box and
+scored as usual.
+
+Disk: with a `reserve` (rollouts/admission.py; the rollout stack makes one) a boot, and an
+evaluation box, waits while the host's disks are short, and statistics() says why. A run that
+stops cancels `run`; `abandon(reason)` then gives what its groups in flight leave, an `abandoned`
+record for each rollout that was still booting, running or being evaluated.
 
 Structure: every worker lives in one anyio task group; streams are closed in order so workers
 exit when their input ends. The boot queue accepts retries without blocking (its new-job part is
@@ -56,12 +63,13 @@ import anyio
 import msgspec
 
 from polar_fast.config import PoolsConfig
-from polar_fast.records import CallRecord, Outcome, RolloutRecord
+from polar_fast.records import CallRecord, Outcome, RolloutRecord, attempt_id
+from polar_fast.rollouts.admission import DiskReserve
 from polar_fast.rollouts.agent import AgentInfraError, AgentResult, AgentRunner
 from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
 from polar_fast.rollouts.reward import EvalResult, evaluate
 from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec
-from polar_fast.rollouts.tasks import Task, TaskError, prepare_repo, repo_diff
+from polar_fast.rollouts.tasks import DiffTooLarge, Task, TaskError, prepare_repo, repo_diff
 
 if TYPE_CHECKING:
     from polar_fast.rollouts.stack import Rollouts
@@ -99,6 +107,7 @@ class PoolsStatistics(msgspec.Struct, frozen=True, kw_only=True):
     stragglers: int = 0  # rollouts still running while the rest of their group is final
     oldest_straggler_s: float = 0.0  # longest such wait, since the group's other rollouts finished
     partial_groups: int = 0  # groups handed on without their stragglers (partial_group_after_s)
+    waiting_for_disk: str = ""  # why boots wait now (the disk reserve, rollouts/admission.py); "" = they do not
 
 
 class _Stage:
@@ -153,13 +162,21 @@ class _Job(msgspec.Struct, kw_only=True):
 
     @property
     def rollout_id(self) -> str:
-        base = f"{self.group_id}-r{self.index}"
-        return base if self.attempt == 0 else f"{base}.a{self.attempt}"
+        return attempt_id(f"{self.group_id}-r{self.index}", self.attempt)
 
 
 class _Final(msgspec.Struct, kw_only=True):
     job: _Job
     rollout: FinishedRollout
+
+
+class _InFlight(msgspec.Struct, kw_only=True):
+    """A rollout past the boot queue whose group has not been handed on (see Pools.abandon)."""
+
+    job: _Job
+    stage: str  # what it was doing, in words
+    calls: list[CallRecord] = []  # the list its agent appends to
+    final: FinishedRollout | None = None  # its record, once it ended
 
 
 class Pools:
@@ -178,6 +195,7 @@ class Pools:
         max_groups_in_flight: int = 0,
         partial_group_after_s: float = 0.0,
         on_late: Callable[[FinishedRollout], Awaitable[None]] | None = None,
+        reserve: DiskReserve | None = None,
     ) -> None:
         self.cfg = cfg
         self.factory = factory
@@ -200,6 +218,8 @@ class Pools:
         self._straggling: dict[str, float] = {}  # group id -> when only its stragglers were left
         self._partial: set[str] = set()  # groups handed on without their stragglers
         self._partial_groups = 0
+        self.reserve = reserve  # boots (and evaluation boxes) wait while the host's disks are short
+        self._flying: dict[str, _InFlight] = {}  # rollout id -> what abandon() needs
 
     @classmethod
     def for_rollouts(cls, rollouts: Rollouts, *, group_size: int | None = None, **options: Any) -> Pools:
@@ -210,7 +230,7 @@ class Pools:
         pools_cfg = cfg.pools if group_size is None else msgspec.structs.replace(cfg.pools, group_size=group_size)
         score = evaluate if cfg.tasks.reward == "binary" else functools.partial(evaluate, mode=cfg.tasks.reward)
         return cls(pools_cfg, rollouts.factory, rollouts.agent, agent_timeout_s=cfg.harness.timeout_s, score=score,
-                   **options)
+                   reserve=rollouts.reserve, **options)
 
     def statistics(self) -> PoolsStatistics:
         return PoolsStatistics(
@@ -221,7 +241,29 @@ class Pools:
             stragglers=sum(self._in_flight.get(g, 0) for g in self._straggling),
             oldest_straggler_s=max((self.clock() - t for t in self._straggling.values()), default=0.0),
             partial_groups=self._partial_groups,
+            waiting_for_disk=self.reserve.waiting if self.reserve is not None else "",
         )
+
+    def abandon(self, reason: str) -> list[FinishedRollout]:
+        """After `run` ended early: what its groups in flight leave. A rollout that finished in
+        a group that did not keeps its record; one still booting, running or being evaluated gets
+        an `abandoned` record with `reason`, what it was doing and the calls it made. Rollouts
+        still queued for a box never started and are not listed."""
+        out = []
+        for flying in self._flying.values():
+            job = flying.job
+            if flying.final is not None:
+                out.append(flying.final)
+                continue
+            record = RolloutRecord(
+                rollout_id=job.rollout_id, group_id=job.group_id, task_id=job.task.instance_id,
+                harness=self.agent.name, outcome=Outcome.ABANDONED, reward=None, n_calls=len(flying.calls),
+                duration_s=self.clock() - job.started_at, attempt=job.attempt,
+                error=f"{reason}, while {flying.stage} ({len(flying.calls)} model calls)",
+            )
+            out.append(FinishedRollout(record=record, calls=list(flying.calls)))
+        self._flying.clear()
+        return out
 
     async def run(self, tasks: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec],
                   on_group: Callable[[GroupRecord], Awaitable[None]]) -> None:
@@ -321,6 +363,7 @@ class Pools:
                 self._partial.discard(job.group_id)
             if self.on_late is not None:
                 await self.on_late(final.rollout)
+            self._flying.pop(job.rollout_id, None)
             return
         group = pending.setdefault(job.group_id, {})
         group[job.index] = final
@@ -344,6 +387,8 @@ class Pools:
     async def _hand_on(self, group_id: str, finals: list[_Final], on_group) -> None:
         """The group's record, built here where its last rollout ended, goes to `on_group`."""
         await on_group(GroupRecord(group_id=group_id, task=finals[0].job.task, rollouts=[f.rollout for f in finals]))
+        for f in finals:  # only now: a stop while on_group runs leaves them to abandon()
+            self._flying.pop(f.job.rollout_id, None)
         self._groups_done += 1
         if self._group_slots is not None:
             self._group_slots.release()
@@ -358,7 +403,10 @@ class Pools:
             duration_s=self.clock() - job.started_at, attempt=job.attempt, error=error[-1000:],
             causes=causes or {},
         )
-        return _Final(job=job, rollout=FinishedRollout(record=record, calls=calls or [], diff=diff, eval=scored))
+        rollout = FinishedRollout(record=record, calls=calls or [], diff=diff, eval=scored)
+        if (flying := self._flying.get(job.rollout_id)) is not None:
+            flying.final = rollout
+        return _Final(job=job, rollout=rollout)
 
     async def _infra(self, job: _Job, stage: str, error: BaseException | str, done_tx,
                      calls: list[CallRecord] | None = None) -> None:
@@ -367,6 +415,7 @@ class Pools:
         self._stages[stage].failed += 1
         message = f"{stage}: {error if isinstance(error, str) else f'{type(error).__name__}: {error}'}"
         if job.attempt < self.cfg.infra_retries:
+            self._flying.pop(job.rollout_id, None)  # its retry takes over
             self._retries += 1
             self._boot_tx.send_nowait(_Job(task=job.task, group_id=job.group_id, index=job.index,
                                            group_size=job.group_size, attempt=job.attempt + 1,
@@ -382,6 +431,9 @@ class Pools:
                 if job.attempt == 0:
                     self._new_slots.release()
                 await self._box_tokens.acquire()
+                self._flying[job.rollout_id] = _InFlight(job=job, stage="booting its sandbox")
+                if self.reserve is not None:
+                    await self.reserve.wait_room()
                 box = None
                 try:
                     with self._stages["boot"].busy(), anyio.fail_after(self.cfg.boot_timeout_s):
@@ -400,6 +452,7 @@ class Pools:
         async with ready_rx, eval_tx, done_tx:
             async for job, box in ready_rx:
                 calls: list[CallRecord] = []  # the agent puts what it captured here, even when cut off
+                self._flying[job.rollout_id] = _InFlight(job=job, stage="running the agent", calls=calls)
                 try:
                     with self._stages["agent"].busy():
                         outcome, result, diff = await self._run_agent(job, box, calls)
@@ -410,9 +463,11 @@ class Pools:
                     error = outcome if isinstance(outcome, BaseException) else result.infra_error
                     await self._infra(job, "agent", error, done_tx, calls)
                 elif outcome is Outcome.OK:
+                    self._flying[job.rollout_id].stage = "being evaluated"
                     await eval_tx.send((job, result, diff, calls))
-                else:
-                    error = "agent timed out" if outcome is Outcome.TIMEOUT else f"agent exited {result.exit_code}"
+                else:  # the agent's own outcome (for a diff too large to take, `diff` says why): reward 0
+                    error = {Outcome.TIMEOUT: "agent timed out", Outcome.DIFF_TOO_LARGE: diff}.get(
+                        outcome, f"agent exited {result.exit_code}")
                     await done_tx.send(self._final(job, outcome, reward=0.0, n_calls=result.n_calls, error=error,
                                                    causes=result.causes, calls=calls))
 
@@ -431,6 +486,8 @@ class Pools:
             if result.exit_code != 0:
                 return Outcome.AGENT_ERROR, result, ""
             return Outcome.OK, result, await self.collect_diff(box, job.task)
+        except DiffTooLarge as e:
+            return Outcome.DIFF_TOO_LARGE, result, str(e)
         except INFRA_ERRORS as e:
             return e, result, ""
 
@@ -449,6 +506,8 @@ class Pools:
 
     async def _evaluate_with_retries(self, job: _Job, diff: str) -> EvalResult | BaseException:
         for attempt in range(self.cfg.infra_retries + 1):
+            if self.reserve is not None:
+                await self.reserve.wait_room()
             try:
                 with self._stages["eval"].busy():
                     return await self._evaluate(job, diff)

@@ -44,6 +44,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Sequence, TypeVar
 
+import anyio
 import msgspec
 from aiohttp import web
 
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from polar_fast.config import Config
 
 log = logging.getLogger(__name__)
+TEARDOWN_TIMEOUT_S = 60  # closing the listeners and writing what the recorder holds
 
 
 class _NewSession(msgspec.Struct):
@@ -592,7 +594,7 @@ async def open_proxy(cfg: Config, engine: Engine, record_log: RecordLog, *, rend
     render_pool = ThreadPoolExecutor(max_workers=max(1, pc.render_threads), thread_name_prefix="proxy-render")
     state = ProxyState(cfg=cfg, engine=engine, renderer=renderer, recorder=recorder, render_pool=render_pool)
     async with asyncio.TaskGroup() as tg:
-        tg.create_task(recorder.run())
+        recording = tg.create_task(recorder.run())
         runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
         box_runner = None  # the Unix socket's: model routes only, what boxes reach never serves admin
         try:
@@ -609,8 +611,12 @@ async def open_proxy(cfg: Config, engine: Engine, record_log: RecordLog, *, rend
                 await web.SockSite(box_runner, sock).start()
             yield Proxy(state, state.base_url, pc.unix_socket)
         finally:
-            if box_runner is not None:
-                await box_runner.cleanup()
-            await runner.cleanup()
-            recorder.close()
-            await asyncio.to_thread(render_pool.shutdown)
+            # shielded, with a deadline: a block cancelled from outside (an anyio scope cancels
+            # again at every await) still closes its listeners and writes what is queued
+            with anyio.CancelScope(shield=True), anyio.move_on_after(TEARDOWN_TIMEOUT_S):
+                if box_runner is not None:
+                    await box_runner.cleanup()
+                await runner.cleanup()
+                recorder.close()
+                await asyncio.wait([recording])
+                await asyncio.to_thread(render_pool.shutdown)

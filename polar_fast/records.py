@@ -13,12 +13,17 @@ turns into chat data. It is kept apart so the training path never decodes text i
 A process killed mid-write leaves at most one torn frame at the end; `read_log` returns every
 complete record before it and reports the torn tail instead of raising, so nothing captured
 before a crash is lost. Appends reopen nothing and never rewrite earlier bytes.
+
+A run closes its part of the log: each rollout it leaves in flight gets a RolloutRecord with
+outcome `abandoned`, then a `RunEndRecord` says why the run ended. The writer holds an flock on
+the file, so `log_in_use` tells a live run from one that was killed (no marker, no lock).
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import fcntl
 import os
 import struct
 from array import array
@@ -28,19 +33,26 @@ from typing import Any, Iterable, Iterator, Sequence
 import msgspec
 
 from polar_fast.conversation import Message, Tool
+from polar_fast.errors import PolarError
 from polar_fast.wire import crc32, msgpack_int32s
 
 _HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 1 << 30  # a length above this is corruption, not a record
 
 
+class LogInUse(PolarError):
+    """Another live process appends to this record log (RecordLog allows one writer)."""
+
+
 class Outcome(enum.StrEnum):
-    """How a rollout ended. Only `infra_error` is kept out of reward statistics."""
+    """How a rollout ended. `infra_error` and `abandoned` are kept out of reward statistics."""
 
     OK = "ok"
     AGENT_ERROR = "agent_error"  # the harness exited non-zero or produced nothing: reward 0
     TIMEOUT = "timeout"  # the agent hit its hard timeout: reward 0
     INFRA_ERROR = "infra_error"  # sandbox did not boot, engine down: retried, never scored
+    DIFF_TOO_LARGE = "diff_too_large"  # the repo's diff passed the sandbox's output cap: reward 0, not evaluated
+    ABANDONED = "abandoned"  # still in flight when the run stopped (or crashed): never scored, never trained
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +139,28 @@ class RolloutRecord(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     purpose: str = "train"  # "eval": an evaluation sample (evaluate.py), never trained on
 
 
+def attempt_id(rollout_id: str, attempt: int) -> str:
+    """The id of a rollout's retry after an infra error: `<id>.a<attempt>` (attempt 0 is `<id>`)."""
+    return rollout_id if attempt == 0 else f"{rollout_id}.a{attempt}"
+
+
+def attempt_of(rollout_id: str) -> tuple[str, int]:
+    """(the rollout's first id, its attempt), the inverse of `attempt_id`."""
+    base, sep, n = rollout_id.rpartition(".a")
+    return (base, int(n)) if sep and n.isdigit() else (rollout_id, 0)
+
+
+class RunEndRecord(msgspec.Struct, frozen=True, kw_only=True, tag="run_end"):
+    """The run stopped here, and why; written after the `abandoned` records of the rollouts it
+    left in flight. A log whose last run has no such record, and that no process holds open
+    (`log_in_use`), was killed or crashed: its rollouts without an end record are abandoned."""
+
+    reason: str  # "finished: ...", "stopped: SIGTERM", "error: ...", "crashed: ..." (closed by --resume)
+    step: int = 0  # learner steps done
+    abandoned: int = 0  # rollouts in flight that got an `abandoned` record
+    ended_at: float = 0.0  # unix time
+
+
 class ExchangeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="exchange"):
     """The canonical conversation of one call (the CallRecord with the same session and index).
 
@@ -154,7 +188,7 @@ class ExchangeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="exchange"):
     n_prefix: int = 0
 
 
-Record = CallRecord | RolloutRecord | ExchangeRecord
+Record = CallRecord | RolloutRecord | ExchangeRecord | RunEndRecord
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -185,19 +219,28 @@ class RecordLog:
     each append durable before it returns.
 
     Opening an existing log first cuts off a torn tail left by a crash (`repaired_bytes` says how
-    much), so records appended by a resumed run stay readable after the old ones."""
+    much), so records appended by a resumed run stay readable after the old ones.
+
+    The appender holds an exclusive `flock` on the file while it is open, which the kernel drops
+    when the process dies however it dies: `log_in_use` tells a reader (`view`, a resume) whether
+    a live process still writes the log, and a second appender is refused (`LogInUse`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self.repaired_bytes = 0
-        if self.path.exists():
-            contents = read_log(self.path)
-            if contents.torn_bytes:
-                os.truncate(self.path, contents.valid_bytes)
-                self.repaired_bytes = contents.torn_bytes
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = -1
+            raise LogInUse(f"{self.path} is open in another process (a run still alive?): one writer at a time") from None
+        contents = read_log(self.path)  # only after the lock: never cut what a live writer is appending
+        if contents.torn_bytes:
+            os.ftruncate(self._fd, contents.valid_bytes)
+            self.repaired_bytes = contents.torn_bytes
 
     def append(self, record: Record | bytes) -> None:
         """Append a record, or a frame already made by `encode_frame`."""
@@ -233,6 +276,21 @@ class RecordLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def log_in_use(path: str | os.PathLike[str]) -> bool:
+    """Whether a live process holds `path` open as its RecordLog (see RecordLog)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock too
 
 
 class LogContents(msgspec.Struct, frozen=True):

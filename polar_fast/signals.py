@@ -13,6 +13,7 @@ class StopSignal:
 
     def __init__(self, task: asyncio.Task | None = None) -> None:
         self.event = asyncio.Event()
+        self.signal = ""  # the name of the first signal received, e.g. "SIGTERM"
         self._task = task
         self._loop = asyncio.get_running_loop()
         self._installed: list[int] = []
@@ -21,13 +22,14 @@ class StopSignal:
         for sig in (signal.SIGINT, signal.SIGTERM):
             # not on the main thread (tests) or not on this platform: the command just runs on
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                self._loop.add_signal_handler(sig, self._handle)
+                self._loop.add_signal_handler(sig, self._handle, sig)
                 self._installed.append(sig)
         return self
 
-    def _handle(self) -> None:
+    def _handle(self, sig: signal.Signals) -> None:
         if self.event.is_set() and self._task is not None:
             self._task.cancel()
+        self.signal = self.signal or signal.Signals(sig).name
         self.event.set()
 
     def __exit__(self, *exc: object) -> None:

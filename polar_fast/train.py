@@ -24,6 +24,13 @@ Under torchrun this is rank 0; ranks > 0 run `distributed.follow` and join every
 Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
 removed, their calls already logged), a checkpoint is saved, and `train` returns normally. A
 second Ctrl-C cancels at once.
+
+Every stop is recorded: the rollouts the run leaves in flight (after its last step, a stop
+request, an error such as a checkpoint that cannot be written, a cancellation from outside)
+each get an `abandoned` record with the reason and the calls they made, and a `RunEndRecord`
+closes the run; the teardown that writes them is shielded, since an anyio scope cancels again
+at every await. A run killed or crashed has no such marker; `--resume` then writes the missing `abandoned` records and a
+`crashed` marker for it before it starts, so every run in the log ends with one.
 """
 
 from __future__ import annotations
@@ -37,18 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
+import anyio
 import msgspec
 
 from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
-from polar_fast.grpo import Gate, Learner, MismatchError, trains_on
+from polar_fast.grpo import Gate, Learner, trains_on
 from polar_fast.learner import distributed
 from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
 from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSync
 from polar_fast.pools import Pools
 from polar_fast.proxy import Proxy
-from polar_fast.records import CALL_CAUSES, Outcome
+from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord, RunEndRecord
 from polar_fast.report.metrics import MetricsWriter
 from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
 from polar_fast.rollouts.stack import open_rollouts
@@ -144,6 +152,26 @@ def check_run(cfg: Config) -> None:
                        "engine.kind = \"vllm\" and a cuda learner, or weight_sync = \"disk\"")
 
 
+async def _close_crashed_run(rollouts, run_dir: Path, step: int, emit: Emit) -> None:
+    """Before a resumed run logs anything: when the run before it was killed or crashed (its log
+    does not end in a RunEndRecord), an `abandoned` record for each rollout it left without an
+    end record (a retried attempt's later attempt ends it), then a `crashed` marker."""
+    from polar_fast.report.view.run_data import RunData
+
+    data = RunData(run_dir)
+    await asyncio.to_thread(data.refresh)
+    if data.ended is not None or not data.rollouts:
+        return
+    why = "the run was killed or crashed while it ran (no run-end marker); closed by --resume"
+    left = [RolloutRecord(rollout_id=row.rollout_id, group_id=row.group_id, task_id=row.task_id,
+                          harness=row.harness or rollouts.cfg.harness.name, outcome=Outcome.ABANDONED,
+                          n_calls=row.n_calls, error=why) for row in data.unended()]
+    await rollouts.proxy.record(*left, RunEndRecord(reason="crashed: no run-end marker (closed by --resume)",
+                                                    step=step, abandoned=len(left), ended_at=time.time()))
+    emit("info", {"message": f"the run before this one ended without a marker (killed or crashed): "
+                             f"{len(left)} rollouts it left in flight recorded as abandoned"})
+
+
 def _weight_sync(cfg: Config, engine, run_dir: Path):
     e = cfg.engine
     if e.kind == "vllm" and e.weight_sync == "transfer":
@@ -182,26 +210,35 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
         run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
         config=msgspec.to_builtins(cfg)))
     try:
-        async with _one_gate_error(), open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+        async with _one_error(), open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
+            if resume:
+                await _close_crashed_run(rollouts, run_dir, learner.step_count, emit)
             sync = _weight_sync(cfg, rollouts.engine, run_dir)
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:
                 evaluator = _PeriodicEval(cfg, eval_tasks, rollouts, metrics, summary, emit)
-                if cfg.eval.at_start and learner.step_count == 0:
-                    await evaluator.run(0)
                 pools = Pools.for_rollouts(rollouts, max_groups_in_flight=groups_in_flight(cfg.run),
                                            partial_group_after_s=cfg.run.partial_group_after_s)
                 loop = _Loop(rollouts.cfg, learner=learner, sync=sync, pools=pools, proxy=rollouts.proxy,
                              metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator,
-                             gate=first_step_gate(cfg, rollouts.engine))
+                             stopped_by=lambda: stop.signal, gate=first_step_gate(cfg, rollouts.engine))
                 pools.on_late = loop.on_late
-                await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
-        summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
+                try:
+                    if cfg.eval.at_start and learner.step_count == 0:
+                        await evaluator.run(0)
+                    await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
+                    summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
+                except Exception as e:
+                    loop.failed(e)
+                    raise
+                finally:
+                    await loop.record_end()
         await asyncio.to_thread(distributed.stop_followers, learner)
     finally:
-        await asyncio.to_thread(metrics.close)
+        with anyio.CancelScope(shield=True):
+            await asyncio.to_thread(metrics.close)
     return summary
 
 
@@ -214,16 +251,22 @@ def first_step_gate(cfg: Config, engine) -> Gate | None:
 
 
 @contextlib.asynccontextmanager
-async def _one_gate_error() -> AsyncIterator[None]:
-    """The gate's MismatchError leaves the run as itself, its one message intact, not inside the
-    exception groups of the TaskGroups it passes (proxy, loop)."""
+async def _one_error() -> AsyncIterator[None]:
+    """One of our errors (a PolarError: the gate's MismatchError, a checkpoint that cannot be
+    written) leaves the run as itself, its one message intact, not inside the exception groups
+    of the TaskGroups it passes (proxy, loop)."""
     try:
         yield
     except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        if len(leaves) == 1 and isinstance(leaves[0], MismatchError):
-            raise leaves[0] from None
+        if isinstance(error := _the_error(group), PolarError):
+            raise error from None
         raise
+
+
+def _the_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The one error inside nested task-group wrappers (cancellations aside), else None."""
+    leaves = _leaves(group)
+    return leaves[0] if len(leaves) == 1 else None
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
@@ -232,29 +275,88 @@ def _leaves(error: BaseException) -> list[BaseException]:
     return [] if isinstance(error, asyncio.CancelledError) else [error]
 
 
+END_RECORD_TIMEOUT_S = 60  # writing the abandoned records and the run-end marker
+
+
 class _Loop:
     """Pools and learner side by side; ends after the last step or at a stop request."""
 
     def __init__(self, cfg: Config, *, learner: Learner | Leader, sync: WeightSync, pools: Pools, proxy: Proxy,
                  metrics: MetricsWriter, summary: RunSummary, stop: asyncio.Event, emit: Emit,
-                 evaluator: _PeriodicEval | None = None, gate: Gate | None = None) -> None:
+                 evaluator: _PeriodicEval | None = None, stopped_by: Callable[[], str] = lambda: "",
+                 gate: Gate | None = None) -> None:
         self.cfg, self.learner, self.sync, self.pools, self.proxy = cfg, learner, sync, pools, proxy
         self.metrics, self.summary, self.stop, self.emit, self.evaluator = metrics, summary, stop, emit, evaluator
+        self.stopped_by = stopped_by  # the signal that asked for a stop
         self.gate = gate  # the mismatch gate, for the first step only
         self.ready: asyncio.Queue[GroupRecord] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
+        self.end_reason = ""  # why the run ends, for the abandoned records and the run-end marker
+        self.abandoned = 0
+        self._logged: set[str] = set()  # rollouts whose end record is in the log
 
     async def run(self, tasks: Iterator[Task]) -> None:
-        async with asyncio.TaskGroup() as tg:
-            pools = tg.create_task(self.pools.run(tasks, self.on_group))
-            status = tg.create_task(self._report_status())
-            try:
-                await self._learn()
-            finally:
-                pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
-                status.cancel()
+        try:
+            await self._rollouts_and_learner(tasks)
+        finally:
+            await self._abandon()
         # the last eval runs alone: rollouts for a step that will never come would only slow it down
         if self._evaluates(self.learner.step_count, final=True) and not self.summary.stopped_early:
             await self.evaluator.run(self.learner.step_count)
+
+    async def _rollouts_and_learner(self, tasks: Iterator[Task]) -> None:
+        """Until the last step or a stop; sets end_reason on every way out. One of our errors
+        (the gate's MismatchError, a checkpoint that cannot be written) leaves as itself, not in
+        a group."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pools = tg.create_task(self.pools.run(tasks, self.on_group))
+                status = tg.create_task(self._report_status())
+                try:
+                    await self._learn()
+                finally:
+                    pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
+                    status.cancel()
+        except BaseExceptionGroup as group:
+            error = _the_error(group) or group
+            self.failed(error)
+            if isinstance(error, PolarError):
+                raise error from None
+            raise
+        if self.summary.stopped_early:
+            self.end_reason = f"stopped: {self.stopped_by() or 'stop requested'}"
+        else:
+            self.end_reason = f"finished: {self.learner.step_count} of {self.cfg.run.steps} steps done"
+
+    def failed(self, error: BaseException) -> None:
+        if not self.end_reason.startswith("error"):
+            self.end_reason = f"error: {type(error).__name__}: {error}"
+
+    async def _abandon(self) -> None:
+        """An end record for each rollout the pools left in flight (Pools.abandon)."""
+        self.end_reason = self.end_reason or "cancelled"
+        left = [r.record for r in self.pools.abandon(f"the run ended ({self.end_reason})")
+                if r.record.rollout_id not in self._logged]
+        for record in left:  # counted first: a cancellation may still cut the wait for the write short
+            self.summary.outcomes[record.outcome.value] = self.summary.outcomes.get(record.outcome.value, 0) + 1
+        self.abandoned = sum(r.outcome is Outcome.ABANDONED for r in left)
+        await self._write_end(*left)
+
+    async def record_end(self) -> None:
+        """The run-end marker, after everything the run logged."""
+        self.end_reason = self.end_reason or "cancelled"
+        await self._write_end(RunEndRecord(reason=self.end_reason, step=self.learner.step_count,
+                                           abandoned=self.abandoned, ended_at=time.time()))
+
+    async def _write_end(self, *records) -> None:
+        """Records of the run's end. When the run is already failing (the record log's disk may
+        be what failed) a write that fails is reported, never put in front of that error."""
+        try:  # shielded: a run cancelled from outside (an anyio scope cancels at every await) still records its end
+            with anyio.CancelScope(shield=True), anyio.move_on_after(END_RECORD_TIMEOUT_S):
+                await self.proxy.record(*records)
+        except Exception as e:
+            if not self.end_reason.startswith("error"):
+                raise
+            self.emit("info", {"message": f"the end of the run could not be recorded: {type(e).__name__}: {e}"})
 
     def _evaluates(self, step: int, *, final: bool = False) -> bool:
         every, last = self.cfg.eval.every_steps, self.cfg.run.steps
@@ -276,6 +378,7 @@ class _Loop:
 
     async def _log(self, rollout: FinishedRollout) -> None:
         await self.proxy.record(rollout.record)
+        self._logged.add(rollout.record.rollout_id)
         outcome = rollout.record.outcome.value
         self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
 
@@ -286,12 +389,12 @@ class _Loop:
             return None
         get = asyncio.ensure_future(self.ready.get())
         stopped = asyncio.ensure_future(self.stop.wait())
-        done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if get in done and not self.stop.is_set():
-            return get.result()
-        get.cancel()
-        return None
+        try:
+            done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when cancelled: neither waiter outlives the call
+            stopped.cancel()
+            get.cancel()  # a no-op once it holds its group
+        return get.result() if get in done and not self.stop.is_set() else None
 
     async def _learn(self) -> None:
         cfg = self.cfg.run
@@ -371,6 +474,7 @@ class _Loop:
                 "stragglers": stats.stragglers, "oldest_straggler_s": round(stats.oldest_straggler_s, 1),
                 "groups_ready": self.ready.qsize(), "calls_in_flight": self.proxy.state.calls_in_flight,
                 "step": self.learner.step_count, "version": self.learner.version,
+                "waiting_for_disk": stats.waiting_for_disk,
             })
             await asyncio.sleep(1.0)
 

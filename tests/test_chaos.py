@@ -14,6 +14,10 @@ and one group in flight the rollouts take the scripted replies in this order:
 The other faults, each in a run of its own:
     disk full  the disk holding records.log (a small tmpfs) fills while a command runs; the next
                call cannot be recorded (503), mini-swe-agent retries it once space is back;
+    box full   a rollout writes past its box's sandbox.disk_mb: ENOSPC in the box, the host's disk
+               untouched (measured), the rollout scored as usual, never retried;
+    ckpt full  the disk holding checkpoints/ (a small tmpfs) fills before a checkpoint: the run
+               stops with the message, the previous checkpoint loads, the log reads back whole;
     SIGTERM    arrives while the learner pushes its weights: the sync finishes, the run stops
                with a checkpoint, and a resumed run trains the next step;
     SIGSTOP    the real vLLM is stopped with a call in flight, past engine.timeout_s, then
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import anyio
 import pytest
+from test_distributed_train import tiny_model_dir
 from test_train import GROUP_REPLIES, SUBMIT, TASK, bash_call, fix_command, raw_config  # the same scripted run
 
 from polar_fast.config import parse_config
@@ -348,7 +354,7 @@ async def test_the_real_vllm_stopped_mid_call(real_vllm, tmp_path, docker_requir
     assert step["learner/step"] == 1 and step["outcomes/infra_error"] == 0
     contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
     assert contents.torn_bytes == 0
-    rollouts = [r for r in contents.rollouts if r.outcome != Outcome.INFRA_ERROR]
+    rollouts = [r for r in contents.rollouts if r.outcome not in (Outcome.INFRA_ERROR, Outcome.ABANDONED)]
     assert len(rollouts) >= 2
     # the stalled call timed out (answered with the proxy's timeout error); the harness's retries
     # (its client's own, then mini-swe-agent's 4 s later) reach the engine once it runs again.
@@ -357,3 +363,146 @@ async def test_the_real_vllm_stopped_mid_call(real_vllm, tmp_path, docker_requir
     for r in rollouts:  # every answered call is in the log
         assert sum(c.rollout_id == r.rollout_id for c in contents.calls) == r.n_calls > 0, r
     assert await anyio.to_thread.run_sync(_left_containers, run_id) == []
+
+
+BOX_DISK_MB = 64
+FULL_MARK = "polar-chaos-box-full"
+# twice the bound, into .git (which the diff leaves out), then a pause while the test measures
+FILL_BOX = bash_call(f"dd if=/dev/zero of=.git/filler bs=1M count={2 * BOX_DISK_MB}; echo dd exit $?; "
+                     f"sleep 8 # {FULL_MARK}")
+
+
+def _box_usage(container: str, docker_root: str) -> dict:
+    """What a box holds, seen from inside (df of its repo and /tmp) and from the host (its
+    writable layer, the data root's file system, its memory cgroup)."""
+    df = _docker("exec", container, "df", "-k", "--output=used,size,target", "/testbed", "/tmp").splitlines()[1:]
+    used = {target: (int(kb) >> 10, int(size_kb) >> 10) for kb, size_kb, target in (line.split() for line in df)}
+    size_rw = int(_docker("inspect", "--size", "--format", "{{.SizeRw}}", container).strip() or 0)
+    memory = _docker("stats", "--no-stream", "--format", "{{.MemUsage}}", container).strip()
+    return {"df_mb": used, "size_rw_bytes": size_rw, "host_used_mb": shutil.disk_usage(docker_root).used >> 20,
+            "memory": memory}
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.timeout(600)
+async def test_a_box_that_fills_its_disk_is_scored_and_the_host_disk_is_untouched(tmp_path, docker_required, base_image):
+    from polar_fast.rollouts.stack import run_id_for
+
+    # r0 fixes the task, then writes twice its bound; r1 looks and gives up. Both are scored.
+    replies = [bash_call(fix_command(TASK.patch)), FILL_BOX, SUBMIT, bash_call("ls"), SUBMIT]
+    # a two-layer model with SmolLM2's tokenizer: the step is trained, in seconds rather than a minute
+    model_dir = await anyio.to_thread.run_sync(tiny_model_dir, tmp_path / "model")
+    raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none", "disk_mb": BOX_DISK_MB},
+                     run={"groups_in_flight": 1, "tensorboard": False},
+                     model={"path": str(model_dir), "max_context_tokens": 4096}, merge={"max_tokens": 4096})
+    cfg = parse_config(raw)
+    out = tmp_path / "run"
+    run_id = await anyio.to_thread.run_sync(run_id_for, out)
+    docker_root = (await anyio.to_thread.run_sync(_docker, "info", "--format", "{{.DockerRootDir}}")).strip()
+    before_mb = (await anyio.to_thread.run_sync(shutil.disk_usage, docker_root)).used >> 20
+    seen: list[dict] = []
+    infos: list[str] = []
+
+    async def measure_when_full() -> None:
+        await _when_running(run_id, FULL_MARK)
+        ids = (await anyio.to_thread.run_sync(_docker, "ps", "-q", "--filter", f"label=polar_fast.run={run_id}")).split()
+        for cid in ids:
+            if FULL_MARK in await anyio.to_thread.run_sync(_docker, "top", cid, "-eo", "pid,args"):
+                seen.append(await anyio.to_thread.run_sync(_box_usage, cid, docker_root))
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "info":
+            infos.append(data["message"])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(measure_when_full)
+        with anyio.fail_after(500):
+            summary = await train(cfg, on_event=on_event)
+        tg.cancel_scope.cancel()
+
+    [usage] = seen
+    print(f"box full: {usage}; host data root used {before_mb} MiB before the run")
+    assert any(m.startswith("sandbox disk: ") for m in infos)  # what start found and how the bound holds
+    repo_used, repo_size = usage["df_mb"]["/testbed"]
+    assert repo_size == BOX_DISK_MB and repo_used <= BOX_DISK_MB  # the box's repo is full at its bound...
+    assert usage["size_rw_bytes"] < 1 << 20  # ...and nothing of it is in its writable layer on the host
+    # the run trained its step on the group; the full box was scored (the fix passes), never retried
+    [step] = summary.steps
+    assert step["learner/step"] == 1 and step["outcomes/ok"] == 2 and step["outcomes/infra_error"] == 0
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0
+    g = f"{TASK.instance_id}-g0"
+    final = {r.rollout_id: (r.outcome, r.reward) for r in contents.rollouts if r.group_id == g}
+    assert final == {f"{g}-r0": (Outcome.OK, 1.0), f"{g}-r1": (Outcome.OK, 0.0)}
+    assert not any(c.rollout_id.startswith(f"{g}-r0.a") for c in contents.calls)  # no retry
+    seen_text = [str(m.content) for e in contents.exchanges if e.rollout_id == f"{g}-r0" for m in e.messages]
+    assert any("No space left on device" in t and "dd exit 1" in t for t in seen_text)  # ENOSPC, in the box
+    assert await anyio.to_thread.run_sync(_left_containers, run_id) == []
+
+
+class _FillBeforeCheckpoint(ScriptedEngine):
+    """Fills the checkpoint disk from inside the learner's second weight push, which comes right
+    before that step's checkpoint: the write meets a full disk."""
+
+    def __init__(self, replies, tokenizer, disk: Path) -> None:
+        super().__init__(replies, tokenizer)
+        self.disk, self.filled = disk, False
+
+    async def update_weights(self, named_tensors, *, version: int) -> None:
+        if version == 2:
+            await anyio.to_thread.run_sync(_fill, self.disk)
+            self.filled = True
+        await super().update_weights(named_tensors, version=version)
+
+
+@pytest.fixture
+def checkpoint_disk(tmp_path):
+    """A 64 MiB tmpfs: a tiny model's checkpoint (~40 MB) fits once; needs root, as CI runs."""
+    mnt = tmp_path / "checkpoint-disk"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_last_one(tmp_path, checkpoint_disk):
+    from polar_fast.grpo import Learner
+    from polar_fast.learner.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from polar_fast.records import RunEndRecord
+
+    model_dir = await anyio.to_thread.run_sync(tiny_model_dir, tmp_path / "model")
+    raw = raw_config(tmp_path, steps=2, model={"path": str(model_dir), "max_context_tokens": 4096},
+                     merge={"max_tokens": 4096}, run={"groups_in_flight": 1, "tensorboard": False})
+    cfg = parse_config(raw)
+    out = tmp_path / "run"
+    # the run's checkpoints/ is the small disk (an empty checkpoints dir: start it as a resume)
+    await anyio.to_thread.run_sync(_run_dir_linking, out, "checkpoints", checkpoint_disk)
+    engine = _FillBeforeCheckpoint(GROUP_REPLIES * 2, await anyio.to_thread.run_sync(load_tokenizer, str(model_dir)),
+                                   checkpoint_disk)
+    with pytest.raises(CheckpointError) as stopped, anyio.fail_after(500):
+        await train(cfg, resume=True, engine=engine)
+
+    assert engine.filled
+    message, checkpoints = str(stopped.value), out / "checkpoints"
+    assert message.startswith(f"cannot write checkpoint {checkpoints / 'step_2.pt'}") and "No space left" in message
+    assert f"the previous checkpoint {checkpoints / 'step_1.pt'} is whole" in message and "--resume" in message
+    left = await anyio.to_thread.run_sync(lambda: sorted(p.name for p in checkpoint_disk.iterdir()))
+    assert left == ["filler", "latest", "step_1.pt"]  # no .tmp left behind
+    previous = await anyio.to_thread.run_sync(latest_checkpoint, checkpoints)
+    learner = await anyio.to_thread.run_sync(Learner.from_config, cfg)
+    step, version = await anyio.to_thread.run_sync(
+        lambda: load_checkpoint(previous, model=learner.policy, optimizer=learner.optimizer))
+    assert (step, version) == (1, 1)  # the previous checkpoint loads
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0  # the log reads back whole, and says how the run ended
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and end.reason.startswith("error: CheckpointError: cannot write checkpoint")

@@ -110,7 +110,7 @@ def test_two_rank_run_matches_a_single_process_step(tmp_path):
     assert step["step"] == 1
     metrics = step
     log = read_log(out / "records.log")
-    rollouts = list(log.rollouts)
+    rollouts = [r for r in log.rollouts if r.outcome is not Outcome.ABANDONED]  # the next group, cut off by the end
     assert sorted(r.reward for r in rollouts) == [0.0, 1.0]
     calls = step_order(list(log.calls), rollouts)
 

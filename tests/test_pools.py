@@ -141,6 +141,84 @@ async def test_slow_consumer_backpressure_bounds_work_in_flight(local):
     assert await local.remove_leftovers() == 0
 
 
+async def test_boots_wait_while_the_disk_is_short_and_say_why(local):
+    """The disk reserve: no box boots while a watched disk is short; the pools say why, then go on
+    once there is room, and nothing is lost."""
+    from polar_fast.rollouts.admission import DiskReserve
+
+    free = {"mb": 900}
+    reserve = DiskReserve({"the sandboxes' data root": "/fake/root"}, need_mb=1000, poll_s=0.01,
+                          free=lambda path: free["mb"])
+    pools = Pools(small(group_size=2), local, CommandAgent(apply_gold), agent_timeout_s=30, reserve=reserve)
+    groups = []
+
+    async def on_group(group):
+        groups.append(group)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pools.run, [BUILTIN["intervals"]], on_group)
+        while not pools.statistics().waiting_for_disk:
+            await anyio.sleep(0.01)
+        why = pools.statistics().waiting_for_disk
+        assert why == ("boots wait for disk: 900 MiB free on the sandboxes' data root (/fake/root), 1000 MiB "
+                       "needed (run.min_free_disk_mb + sandbox.disk_mb)")
+        assert pools.statistics().boot.completed == 0 and pools.statistics().boot.running == 0  # nothing booted
+        free["mb"] = 1000  # space came back
+    assert [(r.outcome, r.reward) for g in groups for r in g.records] == [(Outcome.OK, 1.0)] * 2
+    assert pools.statistics().waiting_for_disk == "" and reserve.waits == 2
+
+
+async def test_a_stop_abandons_what_is_in_flight_with_its_calls(local):
+    """Cancelled mid-group: the member that finished keeps its record, the one still running
+    gets an `abandoned` record with the reason, what it was doing and the calls it made."""
+    from polar_fast.records import CallRecord
+    from polar_fast.rollouts.agent import AgentResult
+
+    def made_call(rollout_id: str) -> CallRecord:
+        return CallRecord(session_id=rollout_id, rollout_id=rollout_id, group_id="g", call_index=0, prompt_ids=[1],
+                          completion_ids=[2], completion_logprobs=[-0.1], policy_version=0, finish_reason="stop",
+                          dialect="chat")
+
+    class OneHangs(CommandAgent):
+        async def run(self, box, task, *, rollout_id, group_id, timeout_s, calls):
+            if rollout_id.endswith("-r0"):
+                return AgentResult(exit_code=0)
+            try:
+                await anyio.sleep_forever()
+            finally:  # as HarnessAgent does: what it captured reaches the list, also when cut off
+                calls.append(made_call(rollout_id))
+
+    pools = Pools(small(group_size=2, prewarm=0), local, OneHangs("true"), agent_timeout_s=600, prepare=_no_prepare,
+                  collect_diff=_empty_diff, score=_instant_score, max_groups_in_flight=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_pools, pools, [BUILTIN["lru"], BUILTIN["roman"]])
+        while not (pools.statistics().rollouts_done == 1 and pools.statistics().agent.running == 1):
+            await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    left = {r.record.rollout_id: r for r in pools.abandon("the run ended (stopped: SIGTERM)")}
+    first = BUILTIN["lru"].instance_id
+    assert sorted(left) == [f"{first}-g0-r0", f"{first}-g0-r1"]  # the second group never started
+    done, hung = left[f"{first}-g0-r0"].record, left[f"{first}-g0-r1"]
+    assert (done.outcome, done.reward) == (Outcome.OK, 1.0)
+    assert (hung.record.outcome, hung.record.reward, hung.record.n_calls) == (Outcome.ABANDONED, None, 1)
+    assert hung.record.error == "the run ended (stopped: SIGTERM), while running the agent (1 model calls)"
+    assert [c.rollout_id for c in hung.calls] == [f"{first}-g0-r1"]
+    assert pools.abandon("again") == []  # handed over once
+    assert await local.remove_leftovers() == 0
+
+
+async def test_a_diff_past_the_output_cap_is_its_own_outcome_never_retried(local):
+    # ~12 MB of diff lines: past the 8 MiB the sandbox keeps of a command's output
+    agent = CommandAgent("yes polar-filler-line | head -c 10000000 > big.txt")
+    pools = Pools(small(group_size=1), local, agent, agent_timeout_s=60)
+    (group,) = await run_pools(pools, [BUILTIN["ledger"]])
+    (rollout,) = group.rollouts
+    assert (rollout.record.outcome, rollout.record.reward, rollout.record.attempt) == (Outcome.DIFF_TOO_LARGE, 0.0, 0)
+    assert "larger than the 8 MiB the sandbox keeps" in rollout.record.error and rollout.diff == ""
+    stats = pools.statistics()
+    assert stats.retries == 0 and stats.eval.completed == 0  # the agent's outcome: not evaluated, not an infra error
+
+
 async def _no_prepare(box, task):
     pass
 
@@ -160,7 +238,7 @@ async def _instant_score(box, task, diff, *, timeout_s):
 
 @pytest.fixture
 async def docker(base_image):
-    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=1.0, memory_mb=512),
+    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=1.0, memory_mb=512, disk_mb=128),
                              run_id=f"pools-{uuid.uuid4().hex[:6]}")
     yield f
     await f.remove_leftovers()

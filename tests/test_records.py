@@ -20,11 +20,16 @@ from polar_fast.records import (
     ExchangeRecord,
     Outcome,
     RecordLog,
+    LogInUse,
     RolloutRecord,
+    RunEndRecord,
     Timings,
+    attempt_id,
+    attempt_of,
     decode_frame,
     encode_frame,
     packed_ids,
+    log_in_use,
     read_log,
     whole_calls,
     whole_exchanges,
@@ -45,12 +50,14 @@ def test_round_trip_of_both_record_kinds(tmp_path):
     path = tmp_path / "calls.log"
     rollout = RolloutRecord(rollout_id="r", group_id="g", task_id="t", harness="codex",
                             outcome=Outcome.INFRA_ERROR, error="container exited 137")
+    end = RunEndRecord(reason="finished: 2 of 2 steps done", step=2, abandoned=1, ended_at=1.5)
     with RecordLog(path) as log:
         log.append(make_call(0))
         log.append(rollout)
         log.append(make_call(1))
+        log.append(end)
     contents = read_log(path)
-    assert contents.records == [make_call(0), rollout, make_call(1)]
+    assert contents.records == [make_call(0), rollout, make_call(1), end]
     assert contents.calls == [make_call(0), make_call(1)]
     assert contents.rollouts[0].reward is None
     assert contents.torn_bytes == 0 and contents.valid_bytes == path.stat().st_size
@@ -225,11 +232,24 @@ def test_kill_9_mid_stream_loses_nothing_written(tmp_path):
     )
     with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout.readline().strip() == "ready"
+        assert log_in_use(path)  # a live writer holds it: view calls its rollouts running
+        with pytest.raises(LogInUse, match="one writer at a time"):
+            RecordLog(path)
         os.kill(proc.pid, 9)
         proc.wait()
+    assert not log_in_use(path)  # the kernel dropped the lock with the process
     contents = read_log(path)
     indices = [c.call_index for c in contents.calls]
     assert len(indices) >= 200 and indices == list(range(len(indices)))
+    with RecordLog(path) as log:  # a resumed run takes it over (cutting the torn tail, if any)
+        assert log_in_use(path)
+    assert not log_in_use(path)
+
+
+def test_attempt_ids_round_trip():
+    assert attempt_id("g-r1", 0) == "g-r1" and attempt_of("g-r1") == ("g-r1", 0)
+    assert attempt_id("g-r1", 2) == "g-r1.a2" and attempt_of("g-r1.a2") == ("g-r1", 2)
+    assert attempt_of("task.alpha-g0-r1") == ("task.alpha-g0-r1", 0)  # ".a" not followed by digits
 
 
 def test_a_failed_put_fails_alone_and_leaves_nothing_in_the_log(tmp_path):

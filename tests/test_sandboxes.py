@@ -25,7 +25,7 @@ def kind(request):
 
 @pytest.fixture
 async def factory(kind):
-    f = make_sandbox_factory(SandboxConfig(kind=kind, cpus=1.0, memory_mb=512, pids_limit=128),
+    f = make_sandbox_factory(SandboxConfig(kind=kind, cpus=1.0, memory_mb=512, pids_limit=128, disk_mb=128),
                              run_id=f"t-{uuid.uuid4().hex[:8]}")
     yield f
     await f.remove_leftovers()
@@ -121,7 +121,7 @@ async def test_docker_limits_labels_and_no_network(base_image):
     from polar_fast.rollouts.sandboxes import RUN_LABEL
 
     run_id = f"t-{uuid.uuid4().hex[:8]}"
-    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=0.5, memory_mb=256, pids_limit=64), run_id=run_id)
+    f = make_sandbox_factory(SandboxConfig(kind="docker", cpus=0.5, memory_mb=256, pids_limit=64, disk_mb=64), run_id=run_id)
     try:
         async with f.open(SandboxSpec(name="limits")) as box:
             info = await box.container.show()
@@ -188,3 +188,76 @@ async def test_docker_network_none_reaches_the_proxy_through_its_unix_socket(bas
         await f.remove_leftovers()
         await f.aclose()
         await runner.cleanup()
+
+
+async def test_output_past_the_cap_keeps_its_tail_and_says_so(factory):
+    async with factory.open(SandboxSpec()) as box:
+        done = await box.exec(["sh", "-c", "head -c 9000000 /dev/zero | tr '\\0' x; echo END"])
+        assert done.truncated and len(done.stdout) == 8 << 20 and done.stdout.endswith("xEND\n")
+        assert not (await box.exec(["echo", "short"])).truncated
+
+
+@pytest.mark.docker
+async def test_a_box_that_writes_past_disk_mb_gets_enospc_and_the_host_disk_stays_out_of_it(base_image):
+    """The path this host's dockerd takes (on CI, overlay2 on ext4: size-limited tmpfs): the repo
+    and /tmp each refuse a write past disk_mb with ENOSPC, the image's repo is there, and the box
+    puts nothing on the host's disk (its writable layer stays empty)."""
+    from polar_fast.rollouts.sandboxes.docker import TMPFS
+    from polar_fast.rollouts.tasks import load_builtin, prepare_repo, repo_diff
+
+    f = make_sandbox_factory(SandboxConfig(kind="docker", memory_mb=512, disk_mb=16), run_id=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        host = await f.check()
+        print(f"sandbox disk: {host.disk_bound}; data root {host.data_root}")
+        async with f.open(SandboxSpec(name="disk")) as box:
+            for where in (box.workdir, "/tmp"):
+                dd = await box.exec(["sh", "-c", f"dd if=/dev/zero of={where}/filler bs=1M count=32; echo rc=$?"])
+                assert "No space left on device" in dd.stderr and "rc=1" in dd.stdout, dd
+                used = await box.exec(["sh", "-c", f"du -sm {where}/filler | cut -f1"])
+                assert int(used.stdout) <= 16
+            info = await box.container.show(size=True)
+            assert info.get("SizeRw", 0) < 1 << 20  # nothing in its writable layer on the host's disk
+            if f.disk == TMPFS:
+                mounts = (await box.exec(["sh", "-c", "grep -E ' (/testbed|/tmp) ' /proc/mounts"])).stdout
+                lines = mounts.splitlines()
+                assert len(lines) == 2 and all(line.startswith("tmpfs ") and "size=16384k" in line for line in lines)
+            # files still land, as the box user
+            await box.exec(["rm", f"{box.workdir}/filler", "/tmp/filler"])
+            await box.write_files({"a.txt": "x", f"{box.home}/cfg": "y"})
+            owner = await box.exec(["stat", "-c", "%u", "a.txt", f"{box.home}/cfg"])
+            assert owner.stdout.split() == ["1000", "1000"]
+            # a repo whose disk is full still hands over its diff: reading it writes nothing
+            task = (await anyio.to_thread.run_sync(load_builtin))[0]
+            await box.exec(["rm", "a.txt"])
+            await prepare_repo(box, task)
+            await box.exec(["sh", "-c", "echo fixed >> NOTES.txt; dd if=/dev/zero of=.git/filler bs=1M count=32"])
+            assert (await box.exec(["sh", "-c", "echo x > y.txt"])).exit_code != 0  # full
+            assert "+fixed" in await repo_diff(box, task.base_commit)
+    finally:
+        await f.remove_leftovers()
+        await f.aclose()
+
+
+@pytest.mark.docker
+async def test_a_disk_bound_this_host_cannot_enforce_is_refused_at_start(base_image):
+    from polar_fast.rollouts.sandboxes.docker import DockerSandboxFactory
+
+    probe = DockerSandboxFactory(SandboxConfig(kind="docker"), run_id=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        if "tmpfs" not in (await probe.check()).disk_bound:
+            pytest.skip("this Docker Engine offers size limits (overlay2 on xfs with pquota)")
+    finally:
+        await probe.aclose()
+    for cfg, words in ((SandboxConfig(kind="docker", read_only_root=False), "read_only_root = false"),
+                       (SandboxConfig(kind="docker", memory_mb=1024, disk_mb=512), "at most half of it")):
+        f = DockerSandboxFactory(cfg, run_id=f"t-{uuid.uuid4().hex[:8]}")
+        try:
+            with pytest.raises(SandboxError, match=words):
+                await f.check()
+        finally:
+            await f.aclose()
+    unbounded = DockerSandboxFactory(SandboxConfig(kind="docker", read_only_root=False, disk_mb=0), run_id="t-0")
+    try:
+        assert "not bounded" in (await unbounded.check()).disk_bound
+    finally:
+        await unbounded.aclose()

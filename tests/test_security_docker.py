@@ -113,7 +113,7 @@ async def test_attacks_from_a_network_none_box_all_fail_and_the_run_continues(ba
     sock = f"{short_dir}/proxy.sock"
     async with scripted_proxy(tmp_path, ["ok"], unix_socket=sock, cycle=True) as px:
         other = await px.new_session("rollout-other", "group-other")
-        factory = make_sandbox_factory(SandboxConfig(kind="docker", cpus=1.0, memory_mb=512, pids_limit=PIDS_LIMIT),
+        factory = make_sandbox_factory(SandboxConfig(kind="docker", cpus=1.0, memory_mb=512, pids_limit=PIDS_LIMIT, disk_mb=128),
                                        run_id=f"t-sec-{uuid.uuid4().hex[:8]}")
         try:
             spec = SandboxSpec(name="attacker", proxy_port=PORT_IN_BOX, proxy_socket=sock)

@@ -159,3 +159,32 @@ async def test_repo_diff_includes_new_and_committed_files():
         diff = await repo_diff(box, task.base_commit)
         assert "b/NEW.txt" in diff and "b/NEW2.txt" in diff
     await anyio.sleep(0)
+
+
+@pytest.mark.anyio
+async def test_repo_diff_is_what_git_add_all_gives_without_writing_to_the_repo():
+    """Edits, a deletion, a staged file edited again, new text, binary and non-ASCII files, an
+    ignored file and a commit: the write-free diff, applied to the base commit, gives the tree
+    `git add -A` records."""
+    task = BUILTIN[1]
+    factory = make_sandbox_factory(SandboxConfig(kind="local"), run_id="diff-tree")
+    async with factory.open(SandboxSpec()) as box:
+        await prepare_repo(box, task)
+        changes = (
+            "set -e; f=$(git ls-files | head -n 1); g=$(git ls-files | sed -n 2p); echo edit >> \"$f\"; rm \"$g\"\n"
+            "echo staged > st.txt; git add st.txt; echo again >> st.txt; printf 'b\\000in' > bin.dat\n"
+            "mkdir -p 'sub dir'; printf 'ünï' > 'sub dir/ü.txt'; echo '*.ignored' >> .gitignore; echo x > a.ignored\n"
+            "echo c > committed.txt; git add committed.txt; git -c user.name=x -c user.email=x@x commit -qm c\n"
+        )
+        assert (await box.exec(["sh", "-c", changes])).exit_code == 0
+        index = (await box.exec(["sh", "-c", "git ls-files -s | md5sum"])).stdout
+        diff = await repo_diff(box, task.base_commit)
+        assert (await box.exec(["sh", "-c", "git ls-files -s | md5sum"])).stdout == index  # nothing staged
+        recorded = (await box.exec(["sh", "-c", "git add -A && git write-tree"])).stdout.strip()
+        await box.write_files({f"{box.home}/agent.diff": diff})
+        replay = (f'set -e; git clone -q . "$HOME/replay"; cd "$HOME/replay"; git checkout -q {task.base_commit}; '
+                  'git apply --binary "$HOME/agent.diff"; git add -A; git write-tree')
+        done = await box.exec(["sh", "-c", replay])
+        assert done.exit_code == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == recorded
+        assert "a.ignored" not in diff and "b/committed.txt" in diff and "GIT binary patch" in diff

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import anyio
 import msgspec
@@ -25,7 +26,8 @@ from polar_fast.config import parse_config
 from polar_fast.engines.scripted import ScriptedEngine
 from polar_fast.grpo import MismatchError
 from polar_fast.model import load_model, load_tokenizer
-from polar_fast.records import read_log
+from polar_fast.records import Outcome, RunEndRecord, read_log
+from polar_fast.report.view.browser import view_server
 from polar_fast.rollouts.tasks import load_builtin
 from polar_fast.train import RunError, train
 from polar_fast.warm_start import SUBMIT as SUBMIT_COMMAND
@@ -91,8 +93,13 @@ async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path):
 def check_run_files(run, step) -> None:
     contents = read_log(run / "records.log")
     assert contents.torn_bytes == 0
-    rewards = {r.rollout_id: r.reward for r in contents.rollouts}
+    # the group it trained; a group that started meanwhile was still in flight when the run ended
+    rewards = {r.rollout_id: r.reward for r in contents.rollouts if r.outcome is not Outcome.ABANDONED}
     assert sorted(rewards.values()) == [0.0, 1.0]
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and end.reason == "finished: 1 of 1 steps done" and end.step == 1
+    abandoned = [r for r in contents.rollouts if r.outcome is Outcome.ABANDONED]
+    assert end.abandoned == len(abandoned) and all("the run ended (finished" in r.error for r in abandoned)
     calls = contents.calls
     assert len(calls) == 4 and {c.policy_version for c in calls} == {0}
     by_rollout = {}
@@ -214,6 +221,9 @@ def wait_for(predicate, timeout_s: float, proc) -> None:
         time.sleep(0.5)
 
 
+KILL_MARK = "polar-killed-while-this-runs"
+
+
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(900)
@@ -221,27 +231,46 @@ def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, d
     from polar_fast.rollouts.stack import run_id_for
 
     out = tmp_path / "run"
+    # the first group trains step 1; the rollouts after it sleep (mini-swe-agent cuts each command
+    # at 30 s, 4 steps a rollout) until the kill. A resumed run starts the replies over: its first
+    # group trains step 2
     raw = raw_config(tmp_path, steps=2, sandbox={"kind": "docker", "network": "none"}, run={"tensorboard": False},
-                     engine={"scripted_replies": GROUP_REPLIES * 3})
+                     engine={"scripted_replies": GROUP_REPLIES + [bash_call(f"sleep 60 # {KILL_MARK}")] * 40})
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
     with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         try:
-            # step 1 is checkpointed and the next group is already running
-            wait_for(lambda: (out / "checkpoints" / "step_1.pt").exists()
-                     and len(read_log(out / "records.log").calls) > 4, 600, proc)
+            # step 1 is checkpointed and a rollout of the next group is running its command
+            wait_for(lambda: (out / "checkpoints" / "step_1.pt").exists() and (out / "metrics.jsonl").exists()
+                     and running(KILL_MARK), 600, proc)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     before = read_log(out / "records.log")
     assert len(before.calls) > 4
+    # no run-end marker and no live writer: view shows the rollouts the kill cut off as abandoned
+    ended = {r.rollout_id for r in before.rollouts}
+    cut_off = {c.rollout_id for c in before.calls} - ended
+    assert cut_off and not isinstance(before.records[-1], RunEndRecord)
+    with view_server(out) as url:
+        rows = json.loads(urllib.request.urlopen(url + "api/rollouts?outcome=abandoned&limit=500", timeout=120).read())["rows"]
+        run = json.loads(urllib.request.urlopen(url + "api/run", timeout=120).read())
+    assert {r["rollout_id"] for r in rows} == cut_off
+    assert all("without a run-end marker (killed or crashed)" in r["error"] for r in rows)
+    assert run["state"] == "ended without a run-end marker: killed or crashed" and run["steps"] == 1
 
     resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
 
     after = read_log(out / "records.log")
     assert after.records[: len(before.records)] == before.records  # nothing captured was lost
+    # the resumed run first closed the killed one: its cut-off rollouts abandoned, then a crashed marker
+    closing = after.records[len(before.records): len(before.records) + len(cut_off) + 1]
+    assert {r.rollout_id for r in closing[:-1]} == cut_off
+    assert all(r.outcome is Outcome.ABANDONED and "killed or crashed" in r.error for r in closing[:-1])
+    assert isinstance(closing[-1], RunEndRecord) and closing[-1].reason.startswith("crashed")
+    assert isinstance(after.records[-1], RunEndRecord) and after.records[-1].reason == "finished: 2 of 2 steps done"
     assert len(after.calls) > len(before.calls) and after.torn_bytes == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # the same step numbering across the kill
@@ -268,25 +297,124 @@ async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path,
     assert len(calls) == 4 and all(c.dialect == "chat" for c in calls)
     merged = merge.merge(calls)
     assert merged.stats.n_samples == step["learner/n_terms"] and merged.stats.n_breaks == 0
-    assert sorted(r.reward for r in contents.rollouts) == [0.0, 1.0]
+    trained = [r for r in contents.rollouts if r.outcome is not Outcome.ABANDONED]  # not the group the end cut off
+    assert sorted(r.reward for r in trained) == [0.0, 1.0]
+
+
+STOP_MARK = "polar-stopped-while-this-runs"
+
+
+def running(marker: str) -> bool:
+    """Whether a process of this machine has `marker` on its command line (a local box's command)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_records_the_rollout_in_flight_and_exits_0(tmp_path):
+    """SIGINT while the first rollout's command runs: the run stops, saves a checkpoint, and
+    records that rollout as abandoned (why, and its one call), then its end; `view` shows both."""
     out = tmp_path / "run"
-    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False})
+    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False}, replies=[bash_call(f"sleep 300 # {STOP_MARK}")])
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        wait_for(lambda: (out / "records.log").exists() and read_log(out / "records.log").calls, 300, proc)
+        wait_for(lambda: running(STOP_MARK), 300, proc)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
-    assert "stopped early on request" in output
+    assert "stopped early on request" in output and "abandoned 1" in output
     assert list((out / "checkpoints").glob("step_*.pt"))
-    assert read_log(out / "records.log").torn_bytes == 0
+    contents = read_log(out / "records.log")
+    assert contents.torn_bytes == 0
+    rollout_id = f"{TASK.instance_id}-g0-r0"
+    [abandoned] = contents.rollouts  # one agent slot and one box: the only rollout in flight
+    assert (abandoned.rollout_id, abandoned.outcome, abandoned.reward, abandoned.n_calls) == (
+        rollout_id, Outcome.ABANDONED, None, 1)
+    assert abandoned.error == "the run ended (stopped: SIGINT), while running the agent (1 model calls)"
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and (end.reason, end.step, end.abandoned) == ("stopped: SIGINT", 0, 1)
+    show_in_browser(out, rollout_id, tmp_path)
+
+
+CANCEL_MARK = "polar-cancelled-while-this-runs"
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_run_cancelled_from_outside_records_its_end_and_leaves_no_task_or_listener(tmp_path):
+    """A run cancelled by an anyio scope (which cancels again at every await, unlike one Ctrl-C)
+    while a rollout's command runs: its teardown still runs whole. The rollout gets its
+    abandoned record and the run its end marker, the proxy stops listening, and no task of the
+    run outlives it (a task left waiting made the event loop's close hang)."""
+    import asyncio
+    import socket
+
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = run_config(tmp_path, run={"tensorboard": False}, proxy={"port": port},
+                     replies=[bash_call(f"sleep 300 # {CANCEL_MARK}")])
+    ours = asyncio.current_task()
+    before = asyncio.all_tasks()
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_while_it_runs() -> None:
+                while not await anyio.to_thread.run_sync(running, CANCEL_MARK):
+                    await anyio.sleep(0.2)
+                scope.cancel()
+
+            tg.start_soon(cancel_while_it_runs)
+            await train(cfg)
+    assert scope.cancelled_caught
+    assert not await anyio.to_thread.run_sync(running, CANCEL_MARK)  # the box's command is gone
+    left = [t for t in asyncio.all_tasks() - before if t is not ours and not t.done()]
+    assert left == []
+    contents = await anyio.to_thread.run_sync(read_log, out / "records.log")
+    assert contents.torn_bytes == 0
+    [abandoned] = contents.rollouts
+    assert (abandoned.outcome, abandoned.n_calls) == (Outcome.ABANDONED, 1)
+    assert abandoned.error == "the run ended (cancelled), while running the agent (1 model calls)"
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and (end.reason, end.abandoned) == ("cancelled", 1)
+    with pytest.raises(OSError):  # the proxy no longer listens
+        await anyio.to_thread.run_sync(lambda: socket.create_connection(("127.0.0.1", port), timeout=5).close())
+
+
+def show_in_browser(run, rollout_id: str, tmp_path) -> None:
+    """The stopped run in `view` and a headless browser: the rollout reads abandoned, and why."""
+    from test_view import css, wait_ready
+
+    from polar_fast.report.view import browser
+    from polar_fast.report.view.browser import chromium, view_server
+
+    if not browser.browser_available():
+        if os.environ.get("CI") or os.environ.get("POLAR_REQUIRE_BROWSER"):
+            pytest.fail("chromium and chromium-driver are missing (scripts/test.sh installs them)")
+        pytest.skip("no chromium/chromium-driver: apt-get install -y chromium chromium-driver")
+    with view_server(run) as url, chromium() as d:
+        d.get(f"{url}rollouts?outcome=abandoned")
+        wait_ready(d)
+        assert [tr.get_attribute("data-rollout-id") for tr in css(d, "tr[data-rollout-id]")] == [rollout_id]
+        d.get(f"{url}rollouts/{rollout_id}")
+        wait_ready(d)
+        d.save_screenshot(str(tmp_path / "abandoned.png"))
+        assert css(d, "#outcome")[0].text == "abandoned"
+        assert "the run ended (stopped: SIGINT), while running the agent" in css(d, "#main")[0].text
+        d.get(url)
+        wait_ready(d)
+        assert css(d, "#run-state")[0].text == "ended: stopped: SIGINT"
+        assert css(d, "h2")[0].text.startswith("Run: 0 step(s)")
 
 
 @pytest.mark.anyio

@@ -26,7 +26,7 @@ import pytest
 from test_train import SUBMIT, TASK, bash_call, fix_command, raw_config
 
 from polar_fast.config import parse_config
-from polar_fast.records import RecordLog, encode_frame, read_log
+from polar_fast.records import ExchangeRecord, Outcome, RecordLog, RunEndRecord, encode_frame, iter_frames, read_log
 from polar_fast.report.view import browser
 from polar_fast.report.view.browser import chromium, view_server
 
@@ -83,6 +83,10 @@ def read_calls(run: Path):
     return by_rollout
 
 
+def reward_of(text: str) -> float | None:
+    return None if text == "–" else float(text)
+
+
 def fetch(url: str, **headers) -> tuple[int, str]:
     request = urllib.request.Request(url, headers=headers)
     try:
@@ -101,15 +105,16 @@ def test_the_rollout_table_lists_every_rollout_with_its_reward(run_dir, browser_
         d.get(url + "rollouts")
         wait_ready(d)
         d.save_screenshot(str(tmp_path / "rollouts.png"))
-        shown = {tr.get_attribute("data-rollout-id"): float(css(tr, "td.reward")[0].text) for tr in css(d, "tr[data-rollout-id]")}
-        assert shown == {r.rollout_id: r.reward for r in rollouts}
-        assert sorted(shown.values()) == [0.0, 1.0]
+        shown = {tr.get_attribute("data-rollout-id"): reward_of(css(tr, "td.reward")[0].text)
+                 for tr in css(d, "tr[data-rollout-id]")}
+        assert shown == {r.rollout_id: r.reward for r in rollouts}  # the trained group, and what the end left in flight
+        assert sorted(r for r in shown.values() if r is not None) == [0.0, 1.0]
         css(d, "th[data-sort=reward]")[0].click()  # ascending, then descending
         wait_for(d, "th.sorted.asc[data-sort=reward]")
         css(d, "th[data-sort=reward]")[0].click()
         wait_for(d, "th.sorted:not(.asc)[data-sort=reward]")
-        first = css(d, "tr[data-rollout-id] td.reward")
-        assert [float(td.text) for td in first] == [1.0, 0.0]
+        first = [reward_of(td.text) for td in css(d, "tr[data-rollout-id] td.reward")]
+        assert first[:2] == [1.0, 0.0] and set(first[2:]) <= {None}  # no reward (abandoned) sorts last both ways
 
 
 @pytest.mark.parametrize("layout", ["tree", "paths"])
@@ -183,7 +188,8 @@ def test_the_plotted_values_equal_metrics_jsonl(run_dir, browser_required, tmp_p
         for key, step, value in plotted:
             assert value == metrics[key, step], key
         outcomes = {tr.get_attribute("data-outcome"): int(tr.text.split()[-1]) for tr in css(d, "#outcomes tr[data-outcome]")}
-        assert outcomes == {"ok": 2}
+        logged = [r.outcome.value for r in read_log(run_dir / "records.log").rollouts]
+        assert outcomes == {o: logged.count(o) for o in logged} and outcomes["ok"] == 2
         assert json.loads(css(d, "#config")[0].get_attribute("textContent"))["proxy"]["history"] == "template"
 
 
@@ -234,6 +240,56 @@ def test_zero_variance_and_withheld_groups_say_they_did_not_train(run_dir, brows
             assert status.get_attribute("data-trained") == "0" and "did not train" in status.text and words in status.text
             sampled = sum(len(c.completion_ids) for c in read_calls(run)[rollout_id])
             assert len(css(d, ".tok.sampled-untrained")) == sampled and not css(d, ".tok.trained")
+
+
+def test_the_run_says_how_it_ended_and_counts_the_learners_steps(run_dir, browser_required, tmp_path):
+    """The run's end marker and its learner steps (an evaluation's metrics line is no step); the
+    rollouts its end left in flight read `abandoned`, none `running`."""
+    run = copy_run(run_dir, tmp_path / "copy")
+    with (run / "metrics.jsonl").open("a") as f:  # the final held-out eval writes a line of its own
+        f.write(json.dumps({"step": 1, "eval/pass@1": 0.5}) + "\n")
+    contents = read_log(run / "records.log")
+    end = contents.records[-1]
+    assert isinstance(end, RunEndRecord) and end.reason == "finished: 1 of 1 steps done"
+    abandoned = {r.rollout_id for r in contents.rollouts if r.outcome is Outcome.ABANDONED}
+    assert end.abandoned == len(abandoned)
+    with view_server(run) as url, chromium() as d:
+        d.get(url)
+        wait_ready(d)
+        d.save_screenshot(str(tmp_path / "ended.png"))
+        assert css(d, "h2")[0].text.startswith("Run: 1 step(s)")
+        assert css(d, "#run-state")[0].text == "ended: finished: 1 of 1 steps done"
+        d.get(url + "rollouts")
+        wait_ready(d)
+        outcomes = {tr.get_attribute("data-rollout-id"): css(tr, "td.outcome")[0].text for tr in css(d, "tr[data-rollout-id]")}
+        assert {r for r, o in outcomes.items() if o == "abandoned"} == abandoned and "running" not in outcomes.values()
+
+
+def test_a_killed_run_shows_its_unfinished_rollout_abandoned_once_no_process_holds_the_log(run_dir, browser_required, tmp_path):
+    """The bytes a kill -9 leaves right after the first call: no end record and no run-end marker.
+    While a process holds the log (a live run) the rollout is running; once none does, abandoned."""
+    run = tmp_path / "killed"
+    shutil.copytree(run_dir, run)
+    data = (run / "records.log").read_bytes()
+    cut = next(end for end, record in iter_frames(data) if isinstance(record, ExchangeRecord))
+    (run / "records.log").write_bytes(data[:cut])
+    for later in ("metrics.jsonl", "groups.jsonl"):  # written after the first step, which this run never reached
+        (run / later).unlink()
+    [rollout_id] = read_calls(run)
+    with view_server(run) as url, chromium() as d:
+        with RecordLog(run / "records.log"):  # a live writer
+            d.get(f"{url}rollouts/{rollout_id}")
+            wait_ready(d)
+            assert css(d, "#outcome")[0].text == "running"
+        d.refresh()  # the writer is gone and left no marker: killed or crashed
+        wait_ready(d)
+        d.save_screenshot(str(tmp_path / "killed.png"))
+        assert css(d, "#outcome")[0].text == "abandoned"
+        assert "without a run-end marker (killed or crashed)" in css(d, "#main")[0].text
+        assert "did not train: the run ended before the group finished" in css(d, "#group-status")[0].text
+        d.get(url)
+        wait_ready(d)
+        assert css(d, "#run-state")[0].text == "ended without a run-end marker: killed or crashed"
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -317,7 +373,8 @@ def test_the_index_follows_a_growing_log_across_read_chunks(run_dir, monkeypatch
     assert index.torn_bytes == 0
     calls = read_calls(run_dir)
     assert {r.rollout_id: (r.reward, r.n_calls, r.sampled_tokens) for r in index.rollouts.values()} == {
-        r.rollout_id: (r.reward, len(calls[r.rollout_id]), sum(len(c.completion_ids) for c in calls[r.rollout_id]))
+        r.rollout_id: (r.reward, len(calls.get(r.rollout_id, [])),
+                       sum(len(c.completion_ids) for c in calls.get(r.rollout_id, [])))
         for r in contents.rollouts}
     for rollout_id, mine in calls.items():
         assert index.rollout_records(rollout_id).calls == mine
@@ -331,7 +388,9 @@ def test_a_run_of_10k_rollouts_pages_without_loading_every_prompt(run_dir, brows
     run = tmp_path / "big"
     run.mkdir()
     shutil.copy(run_dir / "config.json", run / "config.json")
-    records = read_log(run_dir / "records.log").records
+    contents = read_log(run_dir / "records.log")
+    group = contents.records[0].group_id  # the trained group: its two rollouts, 5000 times
+    records = [r for r in contents.records if getattr(r, "group_id", None) == group]
     with RecordLog(run / "records.log") as log:
         for j in range(5000):
             log.append_all([msgspec.structs.replace(r, group_id=f"{r.group_id}-c{j}", rollout_id=f"{r.rollout_id}-c{j}",

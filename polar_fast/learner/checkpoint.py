@@ -5,10 +5,15 @@ for a plain module and an FSDP2-sharded one; rank 0 writes `step_<N>.pt` atomica
 `latest` names the newest. Resume restores the RNGs, so a resumed run draws the same numbers
 as an uninterrupted one. `prune_checkpoints` keeps the newest N (run.keep_checkpoints), never the
 one `latest` names; `export_hf` writes a checkpoint's weights as an HF model directory.
+
+A write that fails (disk full, permission) raises CheckpointError on every rank, with the file
+and the error; its `.tmp` file is removed, and `latest` still names the previous checkpoint,
+which stays whole: the run stops there and `--resume` continues from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import shutil
@@ -28,7 +33,8 @@ from polar_fast.errors import PolarError
 
 
 class CheckpointError(PolarError, ValueError):
-    """A checkpoint cannot be read or exported; the message names the file and why."""
+    """A checkpoint cannot be written, read or exported; the message names the file and why
+    (a write that failed leaves the previous checkpoint untouched)."""
 
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -56,22 +62,56 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, version: int
 ) -> Path:
-    """Write step_<step>.pt (rank 0 only; every rank must call it) and point `latest` at it."""
+    """Write step_<step>.pt (rank 0 only; every rank must call it) and point `latest` at it.
+    CheckpointError on every rank when rank 0 could not."""
     directory = Path(directory)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
     path = directory / f"step_{step}.pt"
+    failed = [""]
     if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         payload = {"model": model_sd, "optimizer": optim_sd, "step": step, "version": version,
                    "rng": rng_state()}
-        torch.save(payload, tmp)
-        tmp.replace(path)
-        (directory / "latest.tmp").write_text(path.name)
-        (directory / "latest.tmp").replace(directory / "latest")
+        failed[0] = _write(directory, path, payload)
     if dist.is_initialized():
-        dist.barrier()
+        dist.broadcast_object_list(failed, src=0)  # also the barrier: no rank runs ahead of the write
+    if failed[0]:
+        raise CheckpointError(failed[0])
     return path
+
+
+def _write(directory: Path, path: Path, payload: dict[str, Any]) -> str:
+    """Write `path` then `latest` through .tmp files renamed into place; "" or why it failed."""
+    tmp, latest_tmp = path.with_name(path.name + ".tmp"), directory / "latest.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, tmp)  # torch's zip writer fails with a RuntimeError, the file system with OSError
+        tmp.replace(path)
+        latest_tmp.write_text(path.name)
+        latest_tmp.replace(directory / "latest")
+        return ""
+    except (OSError, RuntimeError) as e:
+        for leftover in (tmp, latest_tmp):
+            with contextlib.suppress(OSError):
+                leftover.unlink(missing_ok=True)
+        why = f"{type(e).__name__}: {str(e).strip()[-300:]}"
+        with contextlib.suppress(OSError):  # torch's zip writer does not say ENOSPC: the free space does
+            need, free = _tensor_bytes(payload), shutil.disk_usage(directory).free
+            if free < need:
+                why = f"No space left on device ({free >> 20} MiB free, the checkpoint needs about {need >> 20} MiB); {why}"
+        previous = latest_checkpoint(directory) if (directory / "latest").is_file() else None
+        kept = f"the previous checkpoint {previous} is whole" if previous else "there is no earlier checkpoint"
+        return (f"cannot write checkpoint {path}: {why}. The run stops here; {kept}. Free space (or fix "
+                f"permissions) under {directory} and continue with --resume")
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

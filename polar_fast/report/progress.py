@@ -48,6 +48,8 @@ class Progress:
             detail = (f"queued {data['queued']}  booting {data['booting']}  running {data['running']}  "
                       f"model calls {data.get('calls_in_flight', 0)}  evaluating {data['evaluating']}  ready groups {data['groups_ready']}  "
                       f"policy v{data['version']}")
+            if data.get("waiting_for_disk"):
+                detail += f"  [{data['waiting_for_disk']}]"
             self._bar.update(self._status, completed=data["rollouts_done"], detail=detail)
             self._bar.update(self._steps, completed=data["step"])
         elif kind == "step":

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+import anyio
 import msgspec
 
 from polar_fast.config import Config, engine_config
 from polar_fast.engines import Engine
 from polar_fast.proxy import Proxy
 from polar_fast.records import RecordLog
+from polar_fast.rollouts.admission import DiskReserve
 from polar_fast.rollouts.agent import HarnessAgent
 from polar_fast.rollouts.harnesses import ModelLimits
 
@@ -70,6 +72,7 @@ class Rollouts:
     log: RecordLog
     run_id: str
     leftovers_removed: int  # sandboxes of an earlier, killed process on this run id
+    reserve: DiskReserve | None = None  # boots wait while the host's disks are short (rollouts/admission.py)
 
 
 @asynccontextmanager
@@ -109,6 +112,10 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
         factory_class = await asyncio.to_thread(sandbox_class, cfg.sandbox.kind)
         factory = factory_class(cfg.sandbox, run_id=run_id)
         try:
+            host = await factory.check()  # how sandbox.disk_mb is enforced; SandboxError when it cannot be
+            emit("info", {"message": f"sandbox disk: {host.disk_bound}"})
+            reserve = DiskReserve({"the sandboxes' data root": host.data_root, "run.output_dir": str(run_dir)},
+                                  need_mb=cfg.run.min_free_disk_mb + max(cfg.sandbox.disk_mb, 0))
             leftovers = await factory.remove_leftovers(run_id)
             log = await asyncio.to_thread(RecordLog, run_dir / "records.log", fsync=cfg.proxy.record_fsync)
             # a short path: Unix socket paths cap at ~108 bytes
@@ -120,15 +127,17 @@ async def _open_rollouts(cfg: Config, run_dir: Path, *, emit: Callable[[str, dic
                                          max_output_tokens=cfg.sampling.max_tokens)
                     agent = HarnessAgent(proxy, harness, bundle, model=cfg.model.name, max_steps=cfg.harness.max_steps,
                                          use_socket=bool(cfg.proxy.unix_socket), limits=limits)
-                    yield Rollouts(cfg, engine, proxy, agent, factory, log, run_id, leftovers)
-            finally:
-                await asyncio.to_thread(log.close)
-                await asyncio.to_thread(_remove_socket_dir, socket_dir)
+                    yield Rollouts(cfg, engine, proxy, agent, factory, log, run_id, leftovers, reserve)
+            finally:  # each teardown shielded: a block cancelled from outside still closes its parts
+                with anyio.CancelScope(shield=True):
+                    await asyncio.to_thread(log.close)
+                    await asyncio.to_thread(_remove_socket_dir, socket_dir)
         finally:
-            with contextlib.suppress(AttributeError):  # factories without resources have no aclose
-                await factory.aclose()
+            with contextlib.suppress(AttributeError), anyio.CancelScope(shield=True), anyio.move_on_after(60):
+                await factory.aclose()  # factories without resources have no aclose
     finally:
-        await engine.aclose()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(60):
+            await engine.aclose()
 
 
 def _remove_socket_dir(socket_dir: str) -> None:

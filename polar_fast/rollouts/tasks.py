@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from polar_fast.errors import PolarError
 from polar_fast.rollouts.families import family_tasks
 from polar_fast.rollouts.task_rows import (
     Task,
@@ -31,8 +32,9 @@ from polar_fast.rollouts.task_rows import (
     snapshot_files,
 )
 
-__all__ = ["Task", "TaskError", "has_splits", "load_builtin", "load_tasks", "parse_task", "patch_files",
-           "prepare_repo", "repo_diff", "scrub_history", "shared_tasks", "snapshot_commit", "snapshot_files"]
+__all__ = ["DiffTooLarge", "Task", "TaskError", "has_splits", "load_builtin", "load_tasks", "parse_task",
+           "patch_files", "prepare_repo", "repo_diff", "scrub_history", "shared_tasks", "snapshot_commit",
+           "snapshot_files"]
 
 BUILTIN_DIR = Path(__file__).with_name("tasks_builtin")
 
@@ -222,10 +224,28 @@ async def prepare_repo(box, task: Task, *, timeout_s: float = 300) -> None:
     await scrub_history(box, task.base_commit, timeout_s=timeout_s)
 
 
+# The worktree against base_commit (tracked files, committed or not), then each untracked file
+# not ignored as a new file: the patch `git add -A && git diff --cached` gives, without writing
+# an index or an object, so a box whose disk is full still hands over its work.
+DIFF_SCRIPT = r"""
+git -c core.quotepath=false diff --binary "$1" || exit $?
+git ls-files -z --others --exclude-standard | xargs -0 -r sh -c '
+for f; do git -c core.quotepath=false diff --binary --no-index -- /dev/null "$f"; [ $? -le 1 ] || exit 255; done' sh
+"""
+
+
+class DiffTooLarge(PolarError):
+    """The repo's diff passed the sandbox's output cap: the agent's outcome, never an infra error."""
+
+
 async def repo_diff(box, base_commit: str, *, timeout_s: float = 120) -> str:
-    """Everything changed in the repo since base_commit (tracked, new and committed files)."""
-    script = 'git add -A >/dev/null && git -c core.quotepath=false diff --cached --binary "$1"'
-    done = await box.exec(["sh", "-c", script, "diff", base_commit], timeout_s=timeout_s)
+    """Everything changed in the repo since base_commit (tracked, new and committed files),
+    read without writing to the box (see DIFF_SCRIPT). DiffTooLarge when it passed the
+    sandbox's output cap, which would keep only its tail."""
+    done = await box.exec(["sh", "-c", DIFF_SCRIPT, "diff", base_commit], timeout_s=timeout_s)
+    if done.truncated:
+        raise DiffTooLarge(f"the diff against {base_commit[:12]} is larger than the "
+                           f"{len(done.stdout.encode()) >> 20} MiB the sandbox keeps of a command's output: not evaluated")
     if done.exit_code != 0:
         raise TaskError(f"git diff against {base_commit[:12]} failed: {done.stderr.strip()[-800:]}")
     return done.stdout

@@ -109,8 +109,16 @@ async def api_run(request: web.Request) -> web.Response:
     notes = [metrics_note] if metrics_note else []
     if not data.has_log:
         notes.append("no records.log yet: nothing has been captured")
+    ended = data.ended
+    if data.live:
+        state = "running"
+    elif ended is not None:
+        state = f"ended: {ended.reason}"
+    else:
+        state = "ended without a run-end marker: killed or crashed" if data.has_log else "not started"
     return web.json_response({
-        "run_dir": str(data.run_dir), "config": data.config,
+        "run_dir": str(data.run_dir), "config": data.config, "state": state, "live": data.live,
+        "steps": data.learner_steps(metrics),
         "rollouts": len(data.rollouts), "outcomes": data.outcome_counts(),
         "torn": {"bytes": data.torn_bytes, "reason": data.torn_reason} if data.torn_bytes else None,
         "metrics": metrics, "notes": notes,
@@ -123,11 +131,11 @@ def _matches(row: RolloutRow, q: str, outcome: str) -> bool:
     return not q or any(q in str(v).lower() for v in (row.rollout_id, row.task_id, row.harness, row.group_id))
 
 
-def _sort_key(field: str):
-    def key(row: RolloutRow) -> tuple:
-        value = getattr(row, field)
-        return (value is None, value if value is not None else 0)
-    return key
+def _sorted(rows: list[RolloutRow], field: str, desc: bool) -> list[RolloutRow]:
+    """By `field`, either way, with rows that have no value (no reward yet, or never) last."""
+    have = [r for r in rows if getattr(r, field) is not None]
+    have.sort(key=lambda r: getattr(r, field), reverse=desc)
+    return have + [r for r in rows if getattr(r, field) is None]
 
 
 async def api_rollouts(request: web.Request) -> web.Response:
@@ -142,7 +150,7 @@ async def api_rollouts(request: web.Request) -> web.Response:
     if field not in SORTABLE:
         raise web.HTTPBadRequest(reason=f"cannot sort by {field!r}; one of {', '.join(SORTABLE)}")
     rows = [r for r in data.rollouts.values() if _matches(r, q.get("q", "").lower(), q.get("outcome", ""))]
-    rows.sort(key=_sort_key(field), reverse=q.get("desc") == "1")
+    rows = _sorted(rows, field, q.get("desc") == "1")
     return web.json_response({"total": len(data.rollouts), "matching": len(rows), "offset": offset,
                               "rows": [r.as_json() for r in rows[offset: offset + limit]]})
 
@@ -153,10 +161,14 @@ def group_status(members: list[RolloutRow], decision: dict | None) -> dict[str, 
     group too many policy versions behind is withheld)."""
     rewards = {r.rollout_id: r.reward for r in members}
     running = [r for r in members if r.outcome == "running"]
+    abandoned = [r for r in members if r.outcome == "abandoned"]
     scored = [r.reward for r in members if r.outcome != "infra_error" and r.reward is not None]
     status = (decision or {}).get("status")
     if running:
         text, trained = f"not trained yet: {len(running)} of its rollouts still running", False
+    elif abandoned and status != "trained":
+        text, trained = (f"did not train: the run ended before the group finished ({len(abandoned)} of its "
+                         "rollouts abandoned)"), False
     elif status == "withheld":
         text, trained = (f"did not train: withheld, its calls were more than run.max_staleness policy versions "
                          f"behind the learner (step {decision.get('step')})"), False

@@ -8,6 +8,12 @@ rollout is asked for (`rollout_records`), which re-reads just that rollout's fra
 starts again at the last complete frame, so a frame that was only half written is read once it
 is whole. metrics.jsonl and groups.jsonl are small (a line per step) and are read whole; a line
 that does not parse is counted and skipped, never fatal.
+
+A rollout with no end record yet is, as of each refresh: `retried` when a later attempt of it is
+in the log (an infra error ended it), `running` while a live process holds the log open
+(records.log_in_use), and otherwise `abandoned`: the run ended without recording its end, after
+a run-end marker or, when the last run has none, because it was killed or crashed (a resumed run
+writes those `abandoned` records itself, see train.py).
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from polar_fast.records import (
     CallRecord,
     ExchangeRecord,
     RolloutRecord,
+    RunEndRecord,
+    attempt_id,
+    attempt_of,
     decode_frame,
     iter_frames,
+    log_in_use,
     whole_calls,
     whole_exchanges,
 )
@@ -48,7 +58,7 @@ class _ExchangeView(msgspec.Struct, tag="exchange"):
     rollout_id: str
 
 
-_index_decoder = msgspec.msgpack.Decoder(_CallView | _ExchangeView | RolloutRecord)
+_index_decoder = msgspec.msgpack.Decoder(_CallView | _ExchangeView | RolloutRecord | RunEndRecord)
 READ_CHUNK_BYTES = 64 << 20
 
 
@@ -67,7 +77,8 @@ def _msgpack_array_len(raw: msgspec.Raw) -> int:
 
 @dataclass
 class RolloutRow:
-    """One rollout in the table: what its records say so far (no rollout record yet = running)."""
+    """One rollout in the table: what its records say so far (no rollout record yet: running,
+    retried or abandoned, see the module docstring)."""
 
     rollout_id: str
     group_id: str = ""
@@ -82,6 +93,7 @@ class RolloutRow:
     version_max: int | None = None
     rendered_calls: int = 0  # calls whose prompt was rendered afresh instead of extending one
     error: str = ""
+    ended: bool = False  # its end record (a RolloutRecord) is in the log
     order: int = 0  # position of its first record in the log
     spans: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (start, end) of its frames
 
@@ -108,6 +120,10 @@ class RunData:
         self.torn_reason = ""
         self.config: dict[str, Any] | None = None  # config.json as the run wrote it
         self.has_log = False
+        self.live = False  # a live process holds the log open (a run, eval or serve writing it)
+        self.ended: RunEndRecord | None = None  # the last run's end marker, when nothing came after it
+        self._unended: set[str] = set()  # rollouts without an end record
+        self._attempts: dict[str, int] = {}  # a rollout's first id -> its latest attempt in the log
         self._offset = 0  # just past the last complete frame read
         self._lock = threading.Lock()  # refreshes run in worker threads
 
@@ -119,11 +135,16 @@ class RunData:
                 self.has_log = True
             except FileNotFoundError:
                 size, self.has_log = 0, False
+            self.live = self.has_log and log_in_use(self.log_path)
             if size < self._offset:  # a resumed run cut a torn tail off, or the log was replaced
                 self.rollouts.clear()
+                self._unended.clear()
+                self._attempts.clear()
+                self.ended = None
                 self._offset = 0
             if size == self._offset:
                 self.torn_bytes = 0
+                self._settle()
                 return
             pending = b""  # bytes read that do not yet form a whole frame
             with self.log_path.open("rb") as f:
@@ -143,11 +164,19 @@ class RunData:
                     pending = data[consumed:]
             self.torn_bytes = len(pending)
             self.torn_reason = _torn_reason(pending, self._offset) if pending else ""
+            self._settle()
 
     def _add(self, record, start: int, end: int) -> None:
+        if isinstance(record, RunEndRecord):
+            self.ended = record
+            return
+        self.ended = None  # records after a marker: a resumed run
         row = self.rollouts.get(record.rollout_id)
         if row is None:
             row = self.rollouts[record.rollout_id] = RolloutRow(record.rollout_id, order=len(self.rollouts))
+            self._unended.add(row.rollout_id)
+            base, attempt = attempt_of(row.rollout_id)
+            self._attempts[base] = max(self._attempts.get(base, 0), attempt)
         row.spans.append((start, end))
         if isinstance(record, _CallView):
             row.group_id = row.group_id or record.group_id
@@ -160,7 +189,30 @@ class RunData:
         elif isinstance(record, RolloutRecord):
             row.group_id, row.task_id, row.harness = record.group_id, record.task_id, record.harness
             row.outcome, row.reward, row.duration_s = record.outcome.value, record.reward, record.duration_s
-            row.error = record.error
+            row.error, row.ended = record.error, True
+            self._unended.discard(row.rollout_id)
+
+    def _settle(self) -> None:
+        """What each rollout without an end record is now (see the module docstring)."""
+        for rollout_id in self._unended:
+            row = self.rollouts[rollout_id]
+            base, attempt = attempt_of(rollout_id)
+            if self._attempts[base] > attempt:
+                row.outcome = "retried"
+                row.error = f"an infra error ended this attempt; retried as {attempt_id(base, attempt + 1)}"
+            elif self.live:
+                row.outcome, row.error = "running", ""
+            elif self.ended is not None:
+                row.outcome, row.error = "abandoned", f"the run ended ({self.ended.reason}) before it finished"
+            else:
+                row.outcome = "abandoned"
+                row.error = "the run ended without a run-end marker (killed or crashed) before it finished"
+
+    def unended(self) -> list[RolloutRow]:
+        """Rollouts with no end record that no later attempt replaced, in log order."""
+        rows = [self.rollouts[r] for r in self._unended]
+        rows = [r for r in rows if self._attempts[attempt_of(r.rollout_id)[0]] == attempt_of(r.rollout_id)[1]]
+        return sorted(rows, key=lambda r: r.order)
 
     def rollout_records(self, rollout_id: str) -> RolloutRecords:
         """One rollout's records, calls and exchanges made whole, read from its frames only.
@@ -186,6 +238,12 @@ class RunData:
         return counts
 
     # ------------------------------------------------------------------ small files, read whole
+
+    @staticmethod
+    def learner_steps(metrics: list[dict[str, float]]) -> int:
+        """The learner's step count: its own `learner/step`, not the number of metrics lines
+        (an evaluation writes lines of its own)."""
+        return max((int(m["learner/step"]) for m in metrics if "learner/step" in m), default=0)
 
     def metrics(self) -> tuple[list[dict[str, float]], str]:
         """(one dict per step line of metrics.jsonl, a note on anything missing or skipped)."""

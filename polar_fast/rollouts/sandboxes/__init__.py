@@ -13,7 +13,8 @@ subprocesses in a temp dir for machines without Docker. Both give the same guara
   `create()` / `remove()` exist for owners that hand a box between tasks (the pools), and
   `remove_leftovers(run_id)` finds what a crashed process left behind.
 Failures of the sandbox itself (container died, daemon error) raise `SandboxError`, which the
-pools class as an infra error; a command that fails is just a non-zero `exit_code`.
+pools class as an infra error; a command that fails is just a non-zero `exit_code`, and one that
+fills its box's disk (`sandbox.disk_mb`, docker only) gets ENOSPC like any full file system.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ class ExecResult(msgspec.Struct, frozen=True, kw_only=True):
     stderr: str
     timed_out: bool = False
     duration_s: float = 0.0
+    truncated: bool = False  # stdout or stderr passed the backend's output cap; only its tail is kept
+
+
+class HostCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """What a factory found at start about where its boxes live (`SandboxFactory.check`)."""
+
+    data_root: str  # the host directory whose file system a box's files land on ("" = not on this host)
+    disk_bound: str  # how sandbox.disk_mb is enforced, in words, for the run's log
 
 
 class Sandbox(Protocol):
@@ -98,6 +107,11 @@ class Sandbox(Protocol):
 class SandboxFactory(Protocol):
     kind: str
     run_id: str
+
+    async def check(self) -> HostCheck:
+        """Checked at start: how the config's disk bound is enforced here; SandboxError when it
+        cannot be (the message says what to change)."""
+        ...
 
     async def create(self, spec: SandboxSpec) -> Sandbox: ...
 

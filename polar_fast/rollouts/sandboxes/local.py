@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from polar_fast.rollouts.sandboxes import EXEC_MARKER, ExecResult, SandboxError, SandboxSpec, open_sandbox
+from polar_fast.rollouts.sandboxes import EXEC_MARKER, ExecResult, HostCheck, SandboxError, SandboxSpec, open_sandbox
 
 BOX_MARKER = "POLAR_BOX_ID"
 MAX_OUTPUT_BYTES = 8 << 20  # per stream; beyond this the head is dropped and the tail kept
@@ -85,12 +85,13 @@ class LocalSandbox:
             # a missing program is the command's failure, as a shell would report it
             return ExecResult(exit_code=127, stdout="", stderr=f"{argv[0]}: {e.strerror}", duration_s=0.0)
         out, err = bytearray(), bytearray()
+        cut = [False]  # set when a stream passed MAX_OUTPUT_BYTES
         timed_out = False
         try:
             with anyio.move_on_after(timeout_s) as scope:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(_drain, proc.stdout, out)
-                    tg.start_soon(_drain, proc.stderr, err)
+                    tg.start_soon(_drain, proc.stdout, out, cut)
+                    tg.start_soon(_drain, proc.stderr, err, cut)
                     if stdin is not None:
                         tg.start_soon(_feed, proc.stdin, stdin)
                 await proc.wait()
@@ -106,6 +107,7 @@ class LocalSandbox:
             stderr=err.decode(errors="replace"),
             timed_out=timed_out,
             duration_s=time.monotonic() - started,
+            truncated=cut[0],
         )
 
     async def write_files(self, files: dict[str, str | bytes], *, mode: int = 0o644) -> None:
@@ -140,6 +142,10 @@ class LocalSandboxFactory:
         self.run_id = run_id
         self.base_dir = Path(base_dir or tempfile.gettempdir())
 
+    async def check(self) -> HostCheck:
+        return HostCheck(data_root=str(self.base_dir),
+                         disk_bound=f"not bounded: a local box writes to {self.base_dir} as this user (docs/config.md)")
+
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         def make() -> Path:
             root = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{self.run_id}--", dir=self.base_dir))
@@ -172,11 +178,12 @@ class LocalSandboxFactory:
         pass
 
 
-async def _drain(stream: anyio.abc.ByteReceiveStream, into: bytearray) -> None:
+async def _drain(stream: anyio.abc.ByteReceiveStream, into: bytearray, cut: list[bool]) -> None:
     async for chunk in stream:
         into += chunk
         if len(into) > MAX_OUTPUT_BYTES:
             del into[: len(into) - MAX_OUTPUT_BYTES]
+            cut[0] = True
 
 
 async def _feed(stream: anyio.abc.ByteSendStream, data: bytes) -> None:

@@ -111,7 +111,8 @@ async function runPage() {
   }
   if (!run.metrics.length) charts.append(el("p", { class: "muted", id: "no-metrics", text: "No steps yet: curves appear after the first learner step." }));
   main.replaceChildren(
-    el("h2", { text: `Run: ${run.metrics.length} step(s), ${run.rollouts} rollout(s)` }), charts,
+    el("h2", { text: `Run: ${run.steps} step(s), ${run.rollouts} rollout(s)` }),
+    el("p", { id: "run-state", "data-live": run.live ? 1 : 0, text: run.state }), charts,
     el("h2", { text: "Outcomes" }), counts,
     el("h2", { text: "Config" }), el("details", {}, el("summary", { text: "config.json" }),
       el("pre", { id: "config", text: run.config ? JSON.stringify(run.config, null, 2) : "no config.json" })));
@@ -139,7 +140,7 @@ async function rolloutsPage() {
   const q = el("input", { id: "filter", placeholder: "filter: task, harness, rollout or group id", size: 40, value: state.q });
   q.addEventListener("change", () => go({ q: q.value, offset: 0 }));
   const outcome = el("select", { id: "outcome-filter" });
-  for (const o of ["", "ok", "agent_error", "timeout", "infra_error", "running"]) outcome.append(el("option", { value: o, text: o || "any outcome" }));
+  for (const o of ["", "ok", "agent_error", "timeout", "diff_too_large", "infra_error", "running", "retried", "abandoned"]) outcome.append(el("option", { value: o, text: o || "any outcome" }));
   outcome.value = state.outcome;
   outcome.addEventListener("change", () => go({ outcome: outcome.value, offset: 0 }));
   const info = el("span", { id: "page-info" });
@@ -164,7 +165,7 @@ async function rolloutsPage() {
       body.push(el("tr", { "data-rollout-id": r.rollout_id },
         el("td", {}, el("a", { href: `/rollouts/${encodeURIComponent(r.rollout_id)}`, text: r.rollout_id })),
         el("td", { text: r.task_id || "–" }), el("td", { text: r.harness || "–" }),
-        el("td", { class: "num reward", text: fmt(r.reward) }), el("td", { class: "outcome", text: r.outcome }),
+        el("td", { class: "num reward", text: fmt(r.reward) }), el("td", { class: "outcome", text: r.outcome, title: r.error || null }),
         el("td", { class: "num", text: r.n_calls }), el("td", { class: "num", text: r.sampled_tokens }),
         el("td", { class: "num", text: fmt(r.duration_s, 1) }), el("td", { class: "num", text: versions }),
         el("td", { class: "num", text: r.rendered_calls })));
