@@ -304,16 +304,20 @@ def engine_config(cfg: Config) -> EngineConfig:
     return msgspec.structs.replace(cfg.engine, max_batch=cfg.pools.agent_workers)
 
 
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """The TOML file at `path` as a dict; a ConfigError naming the file (`what` it is) when it
+    cannot be read or parsed."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Parse run.toml (or only defaults when `path` is None) plus `section.key=value` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    raw = read_toml(path, "config") if path is not None else {}
     for item in overrides:
         _apply_override(raw, item)
     return parse_config(raw, source=str(path) if path else "<defaults>")

@@ -149,18 +149,23 @@ def _fill(directory: Path) -> Path:
         os.close(fd)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs (real ENOSPC from a real file system); needs root, as CI runs."""
-    mnt = tmp_path / "small-disk"
+def _tmpfs(mnt: Path, size: str):
+    """A tmpfs of `size` mounted at `mnt` for the test (real ENOSPC from a real file system);
+    needs root, as CI runs."""
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs."""
+    yield from _tmpfs(tmp_path / "small-disk", "4m")
 
 
 FILL_MARK = "polar-chaos-diskfull"
@@ -459,16 +464,8 @@ class _FillBeforeCheckpoint(ScriptedEngine):
 
 @pytest.fixture
 def checkpoint_disk(tmp_path):
-    """A 64 MiB tmpfs: a tiny model's checkpoint (~40 MB) fits once; needs root, as CI runs."""
-    mnt = tmp_path / "checkpoint-disk"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """A 64 MiB tmpfs: a tiny model's checkpoint (~40 MB) fits once."""
+    yield from _tmpfs(tmp_path / "checkpoint-disk", "64m")
 
 
 @pytest.mark.anyio

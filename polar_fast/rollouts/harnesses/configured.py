@@ -20,13 +20,12 @@ from __future__ import annotations
 import ast
 import json
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from polar_fast.config import HarnessConfig, explain_validation
+from polar_fast.config import HarnessConfig, explain_validation, read_toml
 from polar_fast.errors import ConfigError
 from polar_fast.rollouts.harnesses import AgentCommand, ModelLimits
 from polar_fast.rollouts.harnesses.bundles import (
@@ -83,13 +82,7 @@ def load_definition(hc: HarnessConfig, *, reserved: tuple[str, ...] = ()) -> Har
 
 
 def definition_from_file(path: str | Path, *, reserved: tuple[str, ...] = ()) -> HarnessDefinition:
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read harness definition {path}: {e.strerror}") from None
-    return parse_definition(raw, where=str(path), reserved=reserved)
+    return parse_definition(read_toml(path, "harness definition"), where=str(path), reserved=reserved)
 
 
 def parse_definition(raw: dict[str, Any], *, where: str, reserved: tuple[str, ...] = ()) -> HarnessDefinition:
