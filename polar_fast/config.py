@@ -62,6 +62,9 @@ class EngineConfig(_Section):
     prefill_chunk_tokens: int = 256  # embedded: prompt tokens prefilled per step beside the batch's decode tokens
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights; vllm started by polar_fast: --dtype
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)
+    urls: list[str] = []  # vllm: several running servers (replicas); each session sticks to one. Set by cluster runs
+    replicas: int = 1  # cluster.kind = "ray": vLLM servers placed by a Ray placement group, one actor each
+    gpus_per_replica: int = 1  # cluster.kind = "ray": GPUs each replica's bundle asks for (0: a CPU server)
 
 
 class SamplingConfig(_Section):
@@ -278,6 +281,19 @@ class RolloutServiceConfig(_Section):
     layout: Layout = "tree"  # merge layout of the batches
 
 
+class ClusterConfig(_Section):
+    """Where the rollouts run (docs/scaling.md): one process (`local`), or rollout nodes and
+    engine replicas on an existing Ray cluster (`ray`; the `ray` extra)."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str = "auto"  # ray: the cluster to join (ray.init address); a run never starts one elsewhere
+    rollout_resource: str = "polar_rollout"  # ray: each node offering this custom resource runs one rollout actor
+    min_rollout_nodes: int = 1  # ray: start-up waits (start_timeout_s) until this many rollout nodes are up
+    start_timeout_s: float = 300.0  # ray: deadline for every placement and actor start; past it the run exits
+    stream_interval_s: float = 0.5  # ray: how often each node's new records are streamed to the driver's log
+    node_groups_in_flight: int = 0  # ray: groups one node runs at once; 0 = (agent_workers + prewarm) // group_size, at least 1
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -294,6 +310,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 def engine_config(cfg: Config) -> EngineConfig:

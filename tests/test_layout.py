@@ -36,6 +36,7 @@ LAYERS = [  # bottom first: (name, the modules and packages in it); the run is e
     ("pools", {"polar_fast.pools"}),
     ("learner", {"polar_fast.learner"}),
     ("grpo", {"polar_fast.grpo"}),
+    ("cluster", {"polar_fast.cluster"}),  # rollout nodes and engine replicas on Ray, beside the run
 ]
 STAGES = {  # package -> its entry module
     "polar_fast.capture": "polar_fast.proxy",
@@ -43,6 +44,7 @@ STAGES = {  # package -> its entry module
     "polar_fast.learner": "polar_fast.grpo",
     "polar_fast.engines": "polar_fast.engines",
     "polar_fast.merge": "polar_fast.merge",
+    "polar_fast.cluster": "polar_fast.cluster",
 }
 PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.rollouts.tasks", "polar_fast.rollouts.stack", "polar_fast.rollouts.harnesses",
