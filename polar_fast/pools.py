@@ -225,8 +225,11 @@ class Pools:
     def for_rollouts(cls, rollouts: Rollouts, *, group_size: int | None = None, **options: Any) -> Pools:
         """Pools on an open rollout stack: its sandbox factory and harness agent, the run's pools
         config and reward mode. group_size: per group (evaluation samples); options: the keywords
-        above (max_groups_in_flight, partial_group_after_s, on_late)."""
+        above (max_groups_in_flight, partial_group_after_s, on_late). A Ray cluster's driver
+        (cluster/driver.py) brings pools of its own that hand each group to a rollout node."""
         cfg = rollouts.cfg
+        if cfg.cluster.kind == "ray" and hasattr(rollouts, "cluster_pools"):
+            return rollouts.cluster_pools(group_size=group_size, **options)
         pools_cfg = cfg.pools if group_size is None else msgspec.structs.replace(cfg.pools, group_size=group_size)
         score = evaluate if cfg.tasks.reward == "binary" else functools.partial(evaluate, mode=cfg.tasks.reward)
         return cls(pools_cfg, rollouts.factory, rollouts.agent, agent_timeout_s=cfg.harness.timeout_s, score=score,
@@ -325,7 +328,8 @@ class Pools:
             await self._new_slots.acquire()
             self._unfinished += 1
             self._boot_tx.send_nowait(_Job(task=item.task, group_id=item.group_id, index=index,
-                                           group_size=item.group_size, started_at=self.clock()))
+                                           group_size=item.group_size, attempt=item.first_attempt,
+                                           started_at=self.clock()))
 
     def _maybe_close_boot(self) -> None:
         if self._producer_done and self._unfinished == 0:

@@ -20,6 +20,8 @@ than `learner.max_mismatch_kl`, the run stops before the update with one Mismatc
 the likely causes. The scripted engines' logprobs are made up, so their runs are not gated.
 
 Under torchrun this is rank 0; ranks > 0 run `distributed.follow` and join every learner call.
+With `cluster.kind = "ray"` the rollouts run on the cluster's rollout nodes and this process (the
+driver) keeps the learner and the record log (cluster/driver.py); the loop is the same.
 
 Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
 removed, their calls already logged), a checkpoint is saved, and `train` returns normally. A
@@ -210,7 +212,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
         run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
         config=msgspec.to_builtins(cfg)))
     try:
-        async with _one_error(), open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+        async with _one_error(), rollout_side(cfg, run_dir, emit=emit, engine=engine) as rollouts:
             summary.leftovers_removed = rollouts.leftovers_removed
             if resume:
                 await _close_crashed_run(rollouts, run_dir, learner.step_count, emit)
@@ -240,6 +242,21 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
         with anyio.CancelScope(shield=True):
             await asyncio.to_thread(metrics.close)
     return summary
+
+
+@contextlib.asynccontextmanager
+async def rollout_side(cfg: Config, run_dir: Path, *, emit: Emit, engine=None) -> AsyncIterator:
+    """Where the rollouts run: this process (rollouts/stack.py), or the rollout nodes of a Ray
+    cluster (`cluster.kind = "ray"`, cluster/driver.py: the same face, its pools hand groups to
+    the nodes). Only a cluster run imports Ray."""
+    if cfg.cluster.kind == "ray":
+        from polar_fast.cluster.driver import open_cluster
+
+        async with open_cluster(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+            yield rollouts
+    else:
+        async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
+            yield rollouts
 
 
 def first_step_gate(cfg: Config, engine) -> Gate | None:

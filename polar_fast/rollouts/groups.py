@@ -28,6 +28,9 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
     task: Task
     group_id: str
     group_size: int
+    # the attempt its rollouts start at: a group a dead rollout node left is run again elsewhere as
+    # its next attempt (cluster/driver.py), so retried rollout ids never repeat the lost ones
+    first_attempt: int = 0
 
 
 class FinishedRollout(msgspec.Struct, frozen=True, kw_only=True):
