@@ -37,11 +37,11 @@ def cluster():
     c.shutdown()
 
 
-def cluster_config(tmp_path, cluster, *, steps: int = 2, **sections):
-    raw = raw_config(tmp_path, steps=steps, **sections)
+def cluster_config(tmp_path, ray_cluster, *, steps: int = 2, cluster: dict | None = None):
+    raw = raw_config(tmp_path, steps=steps)
     raw["run"].update(groups_per_step=2)  # one group per node at a time: both nodes work every step
-    raw["cluster"] = {"kind": "ray", "address": cluster.address, "min_rollout_nodes": 2, "start_timeout_s": 60,
-                      "stream_interval_s": 0.2, **raw.get("cluster", {})}
+    raw["cluster"] = {"kind": "ray", "address": ray_cluster.address, "min_rollout_nodes": 2, "start_timeout_s": 60,
+                      "stream_interval_s": 0.2, **(cluster or {})}
     return parse_config(raw)
 
 
@@ -113,3 +113,87 @@ def check_streamed(run: Path, trained) -> None:
     trained_ids = {g.group_id for g in trained}
     assert all(sum(g in groups for groups in on.values()) == 1 for g in trained_ids)
     assert all(groups & trained_ids for groups in on.values())
+
+
+@pytest.fixture
+def victim(cluster):
+    """A third rollout node (Ray starts a node's processes from the main thread only)."""
+    node = cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    yield node
+    if node in cluster.worker_nodes:
+        cluster.remove_node(node)
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_a_node_that_dies_mid_step_has_its_rollouts_abandoned_and_run_again_elsewhere(
+        tmp_path, cluster, victim, monkeypatch, scripted_engine):
+    """A third rollout node joins, and is removed once one of its rollouts has calls in the
+    driver's log and no end: those rollouts get `abandoned` records naming the node, their
+    group runs again on the nodes left (attempt ids), and the run finishes both steps on them."""
+    from polar_fast.train import train
+
+    run = tmp_path / "run"
+    trained = checked_steps(monkeypatch, run)
+    cfg = cluster_config(tmp_path, cluster, cluster={"min_rollout_nodes": 3})
+    killed: dict[str, set[str]] = {}
+
+    async def kill_mid_rollout() -> None:
+        while not killed:
+            await anyio.sleep(0.1)
+            running = await anyio.to_thread.run_sync(rollouts_in_flight_from, run, victim.node_id[:12])
+            if running:
+                killed["rollouts"] = running
+                await anyio.to_thread.run_sync(cluster.remove_node, victim)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_mid_rollout)
+        summary = await train(cfg, engine=scripted_engine)
+        tg.cancel_scope.cancel()
+
+    assert killed, "the victim node never ran a rollout"
+    assert [s["learner/step"] for s in summary.steps] == [1, 2]
+    await anyio.to_thread.run_sync(check_node_loss, run, killed["rollouts"], trained)
+
+
+def rollouts_in_flight_from(run: Path, node: str) -> set[str]:
+    """Rollouts of `node` whose calls are in the driver's log and that have no end record yet."""
+    node_log, driver_log = run / "nodes" / node / "records.log", run / "records.log"
+    if not node_log.exists() or not driver_log.exists():
+        return set()
+    mine = {c.rollout_id for c in read_log(node_log).calls}
+    driver = read_log(driver_log)
+    return {c.rollout_id for c in driver.calls if c.rollout_id in mine} - {r.rollout_id for r in driver.rollouts}
+
+
+def check_node_loss(run: Path, lost: set[str], trained) -> None:
+    driver = read_log(run / "records.log")
+    ends = {r.rollout_id: r for r in driver.rollouts}
+    for rollout_id in lost:
+        end = ends[rollout_id]
+        assert end.outcome is Outcome.ABANDONED and "died" in end.error and end.reward is None
+        assert end.n_calls == sum(c.rollout_id == rollout_id for c in driver.calls) > 0  # its calls stay, marked
+    assert isinstance(driver.records[-1], RunEndRecord) and driver.records[-1].reason.startswith("finished: 2 of 2")
+    # the lost group ran again, on another node, as its next attempt, and was whole when trained
+    retried = {attempt_of(r)[0].rsplit("-r", 1)[0] for r in lost}
+    again = [r for r in driver.rollouts if r.group_id in retried and r.outcome is not Outcome.ABANDONED]
+    assert again and all(attempt_of(r.rollout_id)[1] >= 1 for r in again)
+    assert {r.rollout_id for r in again}.isdisjoint(lost)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_a_resource_no_node_offers_ends_the_run_within_the_deadline(tmp_path, cluster, scripted_engine):
+    from polar_fast.cluster import ClusterError
+    from polar_fast.train import train
+
+    cfg = cluster_config(tmp_path, cluster, cluster={"rollout_resource": "polar_gpu_rollout", "start_timeout_s": 5})
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as error:
+        await train(cfg, engine=scripted_engine)
+    message = str(error.value)
+    assert "polar_gpu_rollout=1" in message and "start_timeout_s = 5" in message
+    assert message.count("polar_rollout=1") == 2  # what the cluster offers: the two worker nodes
+    assert time.monotonic() - started < 5 + 60  # the learner loads first (~10 s); never a hang
