@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,7 @@ PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.learner.sft", "polar_fast.learner.batches", "polar_fast.learner.memory",
     "polar_fast.engines.vllm_launch", "polar_fast.engines.scripted",
     "polar_fast.merge.arrays",  # the array contract the learner reads
+    "polar_fast.cluster.driver",  # open_cluster: the rollout side of a Ray run (train.rollout_side)
 }
 DIALECTS = "polar_fast.capture.dialects"
 FACES = {"polar_fast.merge", "polar_fast.capture.tokenizer", "polar_fast.wire"}
@@ -283,3 +286,36 @@ def test_every_exception_derives_from_polar_error():
         if found & BUILTIN_EXCEPTIONS and "PolarError" not in found and not qualified.endswith(".PolarError"):
             strays.append(qualified)
     assert strays == [], f"exceptions that do not derive from errors.PolarError: {strays}"
+
+
+def ray_importers(sources: dict[str, str]) -> set[str]:
+    """Modules that import Ray anywhere in them (functions too)."""
+    out = set()
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] == "ray" for n in names):
+                out.add(module)
+    return out
+
+
+def test_only_the_cluster_package_imports_ray():
+    """Ray is the `ray` extra: the local path (train, eval, serve, the CPU default) never needs
+    it, so only polar_fast/cluster/ may import it, and nothing imports the cluster package except
+    train's `rollout_side` under `cluster.kind = "ray"` (test below)."""
+    sources = module_sources()
+    assert {m for m in ray_importers(sources) if not m.startswith("polar_fast.cluster")} == set()
+    assert ray_importers({"m": "def f():\n    from ray.util import placement_group\n"}) == {"m"}  # the check bites
+    users = {m for m, targets in import_graph(sources).items()
+             if any(t.startswith("polar_fast.cluster") for t in targets) and not m.startswith("polar_fast.cluster")}
+    assert users == {"polar_fast.train"}
+
+
+def test_the_local_path_loads_no_ray():
+    code = ("import sys, polar_fast.train, polar_fast.cli, polar_fast.evaluate, polar_fast.serve\n"
+            "from polar_fast.config import parse_config\n"
+            "assert parse_config({}).cluster.kind == 'local'\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'polar_fast.cluster'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
