@@ -6,8 +6,7 @@ gets its own copy of the scripted engine)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import importlib.metadata
 import time
 from pathlib import Path
 
@@ -197,3 +196,15 @@ async def test_a_resource_no_node_offers_ends_the_run_within_the_deadline(tmp_pa
     assert "polar_gpu_rollout=1" in message and "start_timeout_s = 5" in message
     assert message.count("polar_rollout=1") == 2  # what the cluster offers: the two worker nodes
     assert time.monotonic() - started < 5 + 60  # the learner loads first (~10 s); never a hang
+
+
+def test_check_reports_the_rollout_nodes_and_what_they_run(tmp_path, cluster):
+    from polar_fast.preflight.cluster import check_cluster
+
+    items = check_cluster(cluster_config(tmp_path, cluster))
+    assert [i.status for i in items] == ["pass"] * 4, items
+    assert "2 nodes offer polar_rollout" in items[1].evidence
+    version = importlib.metadata.version("polar_fast")
+    assert all(f"polar_fast {version}" in i.evidence for i in items[2:])  # each node imports the driver's
+    short = check_cluster(cluster_config(tmp_path, cluster, cluster={"min_rollout_nodes": 3}))
+    assert short[1].status == "fail" and "--resources '{\"polar_rollout\": 1}'" in short[1].fix

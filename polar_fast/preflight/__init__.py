@@ -12,6 +12,8 @@ exit status 1 when any item fails. The items, in the order they would cost GPU t
   every Docker image is present locally (missing ones listed with pull commands and their disk);
 - engine (engine.py): the vLLM found (or at engine.url) has the version, routes and flags the run
   uses; the learner's and vLLM's GPU sets are visible and disjoint;
+- cluster (cluster.py, `cluster.kind = "ray"`): the cluster answers, enough nodes offer the
+  rollout resource and each runs the driver's polar_fast, the engine replicas fit its GPUs;
 - learner (learner.py): memory per GPU (learner/memory.py, from the model's config alone) against
   the device, and disk for checkpoints at run.keep_checkpoints.
 
@@ -32,7 +34,7 @@ Status = Literal["pass", "fail", "n/a"]
 
 
 class Item(msgspec.Struct, frozen=True, kw_only=True):
-    area: str  # config | tasks | engine | learner | disk
+    area: str  # config | tasks | engine | cluster | learner | disk
     name: str
     status: Status
     evidence: str
@@ -63,7 +65,7 @@ async def collect(cfg: Config, *, nproc_per_node: int = 0, measure: Callable | N
                   emit: Callable[[Item], None] | None = None) -> list[Item]:
     """Every item for `cfg`; `measure(cfg, harness, prompt) -> tokens` replaces the real first
     request (tests). `emit` sees each item as it is decided."""
-    from polar_fast.preflight import context, engine, learner, tasks
+    from polar_fast.preflight import cluster, context, engine, learner, tasks
 
     items: list[Item] = []
 
@@ -79,6 +81,7 @@ async def collect(cfg: Config, *, nproc_per_node: int = 0, measure: Callable | N
     add(await context.check_context(cfg, prompt, measure=measure))
     add(task_items)
     add(await asyncio.to_thread(engine.check_engine, cfg))
+    add(await asyncio.to_thread(cluster.check_cluster, cfg))
     add(await asyncio.to_thread(learner.check_learner, cfg, nproc_per_node))
     return items
 
