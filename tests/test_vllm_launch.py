@@ -247,6 +247,7 @@ async def test_launch_serve_and_stop_the_whole_process_group(tmp_path, fake_vllm
 @pytest.mark.anyio
 async def test_an_existing_url_or_another_engine_starts_nothing(tmp_path, fake_vllm):
     for cfg in (vllm_config(tmp_path, url="http://127.0.0.1:9"),
+                vllm_config(tmp_path, urls=["http://127.0.0.1:9", "http://127.0.0.1:10"]),
                 parse_config({"engine": {"kind": "scripted"}})):
         async with launched_vllm(cfg, tmp_path / "run") as served:
             assert served is cfg
