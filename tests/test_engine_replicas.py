@@ -139,6 +139,21 @@ def test_replica_config_is_checked(tmp_path):
     assert spec.argv[spec.argv.index("--host") + 1] == "192.0.2.7" and spec.url == "http://192.0.2.7:8123"
 
 
+@pytest.mark.anyio
+async def test_preflight_checks_every_replica():
+    from polar_fast.preflight.engine import check_engine
+
+    doubles = await _doubles()
+    cfg = parse_config({"engine": {"kind": "vllm", "urls": [doubles[0].url, "http://127.0.0.1:9"]}})
+    try:
+        items = await asyncio.to_thread(check_engine, cfg)
+    finally:
+        for d in doubles:
+            await d.stop()
+    assert [i.status for i in items] == ["pass", "fail", "n/a"]
+    assert "http://127.0.0.1:9 does not answer" in items[1].evidence
+
+
 def test_the_local_path_never_imports_ray():
     code = ("import sys; import polar_fast.train, polar_fast.engines, polar_fast.cluster.replicas; "
             "assert 'ray' not in sys.modules, 'ray was imported'")

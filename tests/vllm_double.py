@@ -7,7 +7,8 @@
 - /pause, /resume, /reset_prefix_cache, /update_weight_version and /collective_rpc are logged in
   order; reload_weights reads `<served dir>/model.safetensors` and records its sha256, so a test
   sees which weights each replica loaded.
-- GET /health, /v1/models (the served name), and /double/state: what it saw (test-only route).
+- GET /health, /v1/models (the served name), /version, /openapi.json (its routes), and
+  /double/state: what it saw (test-only route).
 
 In process: `await VllmDouble().start()` on 127.0.0.1. As a process: `main(argv)` takes the
 launcher's command line (`vllm serve <dir> ...` or `-m vllm.entrypoints.openai.api_server
@@ -51,6 +52,8 @@ class VllmDouble:
             app.router.add_post(path, self._control)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/double/state", self._state)
         return app
 
@@ -59,6 +62,13 @@ class VllmDouble:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.name, "object": "model"}]})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0"})
+
+    async def _openapi(self, request: web.Request) -> web.Response:  # the routes, as preflight reads them
+        paths = {r.resource.canonical: {} for r in request.app.router.routes() if r.resource is not None}
+        return web.json_response({"paths": paths})
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
