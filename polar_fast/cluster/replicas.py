@@ -48,7 +48,7 @@ import msgspec
 
 from polar_fast.cluster import ClusterError
 from polar_fast.cluster.placement import placed
-from polar_fast.engines.vllm import VllmEngine
+from polar_fast.engines import Engine, build_engine
 from polar_fast.engines.vllm_launch import STOP_GRACE_S, WEIGHTS_DIR, launched_vllm
 from polar_fast.errors import WeightSyncError
 from polar_fast.learner.weight_sync import NamedTensors, save_safetensors
@@ -90,7 +90,7 @@ class EngineReplica:
         self._dir = Path(run_dir) / REPLICAS_DIR / str(index)
         self._stack = contextlib.AsyncExitStack()
         self._starting: asyncio.Task | None = None
-        self._engine: VllmEngine | None = None
+        self._engine: Engine | None = None  # a VllmEngine on the server: the syncs' client
 
     async def node(self) -> str:
         """The node's id: answered once the actor runs (the start-up deadline's first step)."""
@@ -107,7 +107,7 @@ class EngineReplica:
         cfg = replica_config(self._cfg, [int(g) for g in ray.get_gpu_ids()])
         await asyncio.to_thread(self._dir.mkdir, parents=True, exist_ok=True)
         served = await self._stack.enter_async_context(launched_vllm(cfg, self._dir, host=host))
-        self._engine = VllmEngine.from_config(served.model, served.engine)
+        self._engine = build_engine(served.model, served.engine)
         return served.engine.url
 
     async def load(self, weights: np.ndarray, version: int) -> int:
