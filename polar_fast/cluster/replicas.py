@@ -225,8 +225,8 @@ async def placed_replicas(cfg: Config, run_dir: Path, *,
         return node
 
     try:
-        await placed(group.ready(), f"engine.replicas = {e.replicas} ({e.replicas} bundles of one placement group, "
-                     f"strategy {STRATEGY}; each bundle on one node)", each, deadline_s)
+        await placed(group.ready(), f"engine.replicas = {e.replicas} (a placement group of one bundle per replica, "
+                     f"strategy {STRATEGY}, each bundle on one node)", each, deadline_s)
         actors = await asyncio.to_thread(_create_actors, cfg, run_dir, group)
         nodes = await _all(node_of(i, a) for i, a in enumerate(actors))
         urls = await _all(_started(cfg, i, a, node) for i, (a, node) in enumerate(zip(actors, nodes)))
