@@ -66,6 +66,18 @@ class EngineConfig(_Section):
     replicas: int = 1  # cluster.kind = "ray": vLLM servers placed by a Ray placement group, one actor each
     gpus_per_replica: int = 1  # cluster.kind = "ray": GPUs each replica's bundle asks for (0: a CPU server)
 
+    def __post_init__(self) -> None:  # decoding turns a ValueError into a ConfigError naming the section
+        if self.url and self.urls:
+            raise ValueError("engine.url and engine.urls both name servers: set url for one, urls for several replicas")
+        if self.replicas < 1 or self.gpus_per_replica < 0:
+            raise ValueError(f"engine.replicas ({self.replicas}) must be at least 1 and engine.gpus_per_replica "
+                             f"({self.gpus_per_replica}) at least 0")
+        if self.weight_sync == "transfer" and (self.replicas > 1 or len(self.urls) > 1):
+            # one NCCL group per learner and engine (learner/weight_sync.py); reaching several replicas
+            # needs a group spanning them all, which no GPU here has tested
+            raise ValueError('engine.weight_sync = "transfer" reaches one vLLM; with several replicas (engine.replicas '
+                             '> 1 or engine.urls) use weight_sync = "disk", which reloads each replica from its own copy')
+
 
 class SamplingConfig(_Section):
     """Sampling belongs to the run: these apply to every call, whatever the harness asks for

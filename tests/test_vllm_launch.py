@@ -1,9 +1,9 @@
 """Starting `vllm serve` for a run (engines/vllm_launch.py), without vLLM or a GPU.
 
 The command line and environment are checked as data. The lifecycle runs against a fake `vllm`
-executable put first on PATH: a tiny aiohttp server that records its argv and environment,
-answers /health, /v1/models and /inference/v1/generate, and starts a child process as vLLM's
-data-parallel engines do, so the tests can see the whole process group go away.
+executable put first on PATH: it records its argv and environment, starts a child process as
+vLLM's data-parallel engines do, so the tests can see the whole process group go away, then
+serves vLLM's routes (the HTTP double of tests/vllm_double.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from vllm_double import TESTS, tiny_hf_dir
 
 from polar_fast.config import parse_config
 from polar_fast.engines import vllm_launch
@@ -44,45 +45,11 @@ if mode == "hang":
 if mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-from aiohttp import web
+sys.path.insert(0, {tests!r})
+from vllm_double import main  # the routes: tests/vllm_double.py
 
-name = args[args.index("--served-model-name") + 1]
-port = int(args[args.index("--port") + 1])
-
-async def health(request):
-    return web.Response()
-
-async def models(request):
-    return web.json_response({{"object": "list", "data": [{{"id": name, "object": "model"}}]}})
-
-async def generate(request):
-    body = await request.json()
-    ids = [len(body["token_ids"]), 7, 8]
-    return web.json_response({{"choices": [{{"token_ids": ids, "finish_reason": "stop",
-                               "logprobs": {{"content": [{{"logprob": -0.5}}] * len(ids)}}}}]}})
-
-app = web.Application()
-app.router.add_get("/health", health)
-app.router.add_get("/v1/models", models)
-app.router.add_post("/inference/v1/generate", generate)
-web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=mode != "stubborn")
+main(args, handle_signals=mode != "stubborn")
 '''
-
-
-def tiny_hf_dir(path: Path, *, shards: int = 1) -> Path:
-    """config.json, a tokenizer file and safetensors weights: enough for prepare_model_dir."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True)
-    (path / "config.json").write_text('{"model_type": "llama"}')
-    (path / "tokenizer.json").write_text("{}")
-    (path / "generation_config.json").write_text('{"top_k": 20}')
-    for i in range(shards):
-        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({f"layer{i}.weight": torch.full((2, 2), float(i))}, str(path / name))
-    if shards > 1:
-        (path / "model.safetensors.index.json").write_text("{}")
-    return path
 
 
 def vllm_config(tmp_path: Path, **engine) -> object:
@@ -217,7 +184,7 @@ def fake_vllm(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     script = bin_dir / "vllm"
-    script.write_text(FAKE_VLLM.format(python=sys.executable))
+    script.write_text(FAKE_VLLM.format(python=sys.executable, tests=str(TESTS)))
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     record = tmp_path / "fake_vllm.json"
@@ -280,6 +247,7 @@ async def test_launch_serve_and_stop_the_whole_process_group(tmp_path, fake_vllm
 @pytest.mark.anyio
 async def test_an_existing_url_or_another_engine_starts_nothing(tmp_path, fake_vllm):
     for cfg in (vllm_config(tmp_path, url="http://127.0.0.1:9"),
+                vllm_config(tmp_path, urls=["http://127.0.0.1:9", "http://127.0.0.1:10"]),
                 parse_config({"engine": {"kind": "scripted"}})):
         async with launched_vllm(cfg, tmp_path / "run") as served:
             assert served is cfg

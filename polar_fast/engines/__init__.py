@@ -78,15 +78,19 @@ class Engine(Protocol):
 # import time, so this map stays cheap.
 from polar_fast.engines.embedded import EmbeddedEngine  # noqa: E402
 from polar_fast.engines.scripted import ScriptedEngine  # noqa: E402
+from polar_fast.engines.replicated import ReplicatedEngine  # noqa: E402
 from polar_fast.engines.vllm import VllmEngine  # noqa: E402
 
 ENGINES: dict[str, type] = {"embedded": EmbeddedEngine, "scripted": ScriptedEngine, "vllm": VllmEngine}
 
 
 def build_engine(model: ModelConfig, engine: EngineConfig) -> Engine:
-    """The engine named by `engine.kind`, serving `model`."""
+    """The engine named by `engine.kind`, serving `model`; for "vllm" with `engine.urls`, one
+    engine over those replicas (replicated.py)."""
     try:
         cls = ENGINES[engine.kind]
     except KeyError:
         raise EngineError(f"unknown engine kind {engine.kind!r}; known: {sorted(ENGINES)}") from None
+    if cls is VllmEngine and engine.urls:
+        cls = ReplicatedEngine
     return cls.from_config(model, engine)

@@ -1,4 +1,4 @@
-"""Starting `vllm serve` for a run: `engine.kind = "vllm"` with `engine.url = ""`.
+"""Starting `vllm serve` for a run: `engine.kind = "vllm"` with neither `engine.url` nor `engine.urls`.
 
     async with launched_vllm(cfg, run_dir, emit=emit) as cfg:  # cfg.engine.url now set
         engine = build_engine(cfg.model, cfg.engine)
@@ -35,6 +35,9 @@ child in its own process group, and talks HTTP to it. Choices:
   `engine.launch_timeout_s`; if vLLM exits or the time runs out the error carries the tail of
   `<run_dir>/vllm.log`. On exit (normal, error or cancellation) the whole process group gets
   SIGTERM, then SIGKILL after STOP_GRACE_S, so data-parallel engine processes go too.
+- Host: 127.0.0.1, so the dev-mode routes are reachable from this machine only. An engine
+  replica on a Ray cluster (cluster/replicas.py) passes its node's address instead, for the
+  rollout nodes to reach it over the cluster's (trusted) network.
 - The port is chosen by binding port 0 and releasing it just before vLLM binds it; another
   process could take it in between, which shows up as a launch error naming the log.
 """
@@ -103,7 +106,7 @@ def find_vllm(launch_python: str = "") -> str:
 
 
 def launch_spec(cfg: Config, model_dir: Path, port: int, *, executable: str = "vllm",
-                base_env: Mapping[str, str] | None = None) -> LaunchSpec:
+                base_env: Mapping[str, str] | None = None, host: str = "127.0.0.1") -> LaunchSpec:
     """The command line and environment of `vllm serve` (pure: no processes, no files)."""
     e = cfg.engine
     gpus = list(e.launch_gpus)
@@ -121,7 +124,7 @@ def launch_spec(cfg: Config, model_dir: Path, port: int, *, executable: str = "v
     else:
         argv = [executable, "serve", str(model_dir)]
     argv += ["--served-model-name", cfg.model.name,
-            "--host", "127.0.0.1", "--port", str(port),
+            "--host", host, "--port", str(port),
             "--data-parallel-size", str(e.data_parallel_size),
             "--max-model-len", str(cfg.model.max_context_tokens),
             "--dtype", e.dtype,
@@ -135,7 +138,7 @@ def launch_spec(cfg: Config, model_dir: Path, port: int, *, executable: str = "v
     env = {k: v for k, v in (os.environ if base_env is None else base_env).items()
            if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env |= {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
-    return LaunchSpec(argv=argv, env=env, url=f"http://127.0.0.1:{port}")
+    return LaunchSpec(argv=argv, env=env, url=f"http://{host}:{port}")
 
 
 def _learner_gpus(cfg: Config, env: Mapping[str, str]) -> list[int]:
@@ -189,9 +192,9 @@ def served_model_source(cfg: Config) -> Path:
     return Path(_pretrained_dir(resolve_model_path(cfg.model.path)))
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -209,18 +212,19 @@ class _Models(msgspec.Struct):
 
 
 @asynccontextmanager
-async def launched_vllm(cfg: Config, run_dir: Path, *,
-                        emit: Callable[[str, dict], None] | None = None) -> AsyncIterator[Config]:
-    """`cfg` with `engine.url` pointing at a `vllm serve` started for the block, or `cfg`
-    unchanged when it names no vLLM to start (another kind, or an existing URL)."""
-    if cfg.engine.kind != "vllm" or cfg.engine.url:
+async def launched_vllm(cfg: Config, run_dir: Path, *, emit: Callable[[str, dict], None] | None = None,
+                        host: str = "127.0.0.1") -> AsyncIterator[Config]:
+    """`cfg` with `engine.url` pointing at a `vllm serve` started for the block (listening on
+    `host`), or `cfg` unchanged when it names no vLLM to start (another kind, or running servers
+    at `engine.url` or `engine.urls`)."""
+    if cfg.engine.kind != "vllm" or cfg.engine.url or cfg.engine.urls:
         yield cfg
         return
     emit = emit or (lambda kind, data: None)
     executable = await asyncio.to_thread(find_vllm, cfg.engine.launch_python)
     source = await asyncio.to_thread(served_model_source, cfg)
     model_dir = await asyncio.to_thread(prepare_model_dir, source, run_dir / WEIGHTS_DIR)
-    spec = launch_spec(cfg, model_dir, await asyncio.to_thread(free_port), executable=executable)
+    spec = launch_spec(cfg, model_dir, await asyncio.to_thread(free_port, host), executable=executable, host=host)
     log_path = run_dir / LOG_NAME
     emit("info", {"message": f"starting vllm serve on GPUs {list(cfg.engine.launch_gpus)} (log: {log_path})"})
     log = await asyncio.to_thread(log_path.open, "ab")

@@ -4,8 +4,9 @@
   engine.launch_python) names its Python; that Python's installed vllm package is read without
   importing it (seconds, no GPU): its version (TESTED_VLLM is the one tested), and in its source
   every route the engine and the weight syncs call and every `vllm serve` flag the launcher passes.
-- A running server (engine.url): GET /version and /openapi.json list its version and routes (the
-  dev routes need VLLM_SERVER_DEV_MODE=1, the token-in route --enable-scale-out).
+- A running server (engine.url), or each of several (engine.urls): GET /version and
+  /openapi.json list its version and routes (the dev routes need VLLM_SERVER_DEV_MODE=1, the
+  token-in route --enable-scale-out).
 - GPUs: a CUDA learner's (CUDA_VISIBLE_DEVICES, as torchrun will give it) and engine.launch_gpus
   must be disjoint and exist on this machine (nvidia-smi).
 """
@@ -48,6 +49,8 @@ def check_engine(cfg: Config) -> list[Item]:
     if e.kind != "vllm":
         return [not_applicable(AREA, "vllm", f"engine.kind = {e.kind!r}"), check_gpus(cfg)]
     routes = dict(ROUTES) | ({r: "transfer weight sync" for r in TRANSFER_ROUTES} if e.weight_sync == "transfer" else {})
+    if e.urls:
+        return [*(check_server(url, routes) for url in e.urls), check_gpus(cfg)]
     item = check_server(e.url, routes) if e.url else check_installed(e.launch_python, routes)
     return [item, check_gpus(cfg)]
 
@@ -114,7 +117,7 @@ def _get_json(url: str, path: str) -> dict:
 
 def check_gpus(cfg: Config, *, visible_env: str | None = None, gpus_on_machine: int | None = None) -> Item:
     cuda_learner = cfg.learner.device.startswith("cuda")
-    launches = cfg.engine.kind == "vllm" and not cfg.engine.url
+    launches = cfg.engine.kind == "vllm" and not cfg.engine.url and not cfg.engine.urls
     if not cuda_learner and not launches:
         return not_applicable(AREA, "gpus", f"learner.device = {cfg.learner.device!r} and no vLLM to start")
     count = gpu_count() if gpus_on_machine is None else gpus_on_machine
