@@ -216,7 +216,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             summary.leftovers_removed = rollouts.leftovers_removed
             if resume:
                 await _close_crashed_run(rollouts, run_dir, learner.step_count, emit)
-            sync = _weight_sync(cfg, rollouts.engine, run_dir)
+            sync = rollouts.weight_sync if cfg.cluster.kind == "ray" else _weight_sync(cfg, rollouts.engine, run_dir)
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:

@@ -133,3 +133,38 @@ def dirs(tmp_path) -> tuple[Path, Path]:
     home, task = tmp_path / "home", tmp_path / "task"
     home.mkdir(), task.mkdir()
     return home, task
+
+
+RAY_NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1",
+            "resources": {"polar_rollout": 1}}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray cluster for the session's cluster tests (test_cluster, test_engine_replicas): a
+    head with no CPUs (nothing is placed on it) and two worker nodes of one CPU each, offering
+    `polar_rollout`, object stores capped, every address 127.0.0.1: Ray resolves "this node" to
+    its loopback address when clusters are off for the platform
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, inherited by its processes). Ports and
+    /tmp/ray/ray_current_cluster are left to whoever else runs Ray on this machine. The test
+    process is connected to it (train() then joins the connection it finds)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    patch.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
+    # dashboard_port None: the head's own process takes the first free port from 8265 on, not 8265 or nothing
+    head = {**RAY_NODE, "resources": {}, "num_cpus": 0, "include_dashboard": False, "dashboard_port": None}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for _ in range(2):
+            cluster.add_node(**RAY_NODE)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        patch.undo()

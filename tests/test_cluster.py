@@ -19,21 +19,13 @@ from polar_fast.model import load_tokenizer
 from polar_fast.records import Outcome, RunEndRecord, attempt_of, read_log
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
+from tests.conftest import RAY_NODE  # noqa: E402
 from tests.test_train import GROUP_REPLIES, raw_config  # noqa: E402
 
-NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "resources": {"polar_rollout": 1}}
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
-    for _ in range(2):
-        c.add_node(**NODE)
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
+@pytest.fixture
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 def cluster_config(tmp_path, ray_cluster, *, steps: int = 2, cluster: dict | None = None):
@@ -117,7 +109,7 @@ def check_streamed(run: Path, trained) -> None:
 @pytest.fixture
 def victim(cluster):
     """A third rollout node (Ray starts a node's processes from the main thread only)."""
-    node = cluster.add_node(**NODE)
+    node = cluster.add_node(**RAY_NODE)
     cluster.wait_for_nodes()
     yield node
     if node in cluster.worker_nodes:

@@ -154,41 +154,7 @@ async def test_preflight_checks_every_replica():
     assert "http://127.0.0.1:9 does not answer" in items[1].evidence
 
 
-def test_the_local_path_never_imports_ray():
-    code = ("import sys; import polar_fast.train, polar_fast.engines, polar_fast.cluster.replicas; "
-            "assert 'ray' not in sys.modules, 'ray was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
 # ------------------------------------------------------------------------------- on a Ray cluster
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A head (no CPUs: replicas go to the workers) and two worker nodes of one CPU each, every
-    address 127.0.0.1: Ray resolves "this node" to its loopback address when clusters are off
-    for the platform (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, inherited by its processes). Ports
-    and /tmp/ray/ray_current_cluster are left to whoever else runs Ray on this machine."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    patch.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
-    node = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
-    # dashboard_port None: the head's own process takes the first free port from 8265 on, not 8265 or nothing
-    head = {**node, "num_cpus": 0, "include_dashboard": False, "dashboard_port": None}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    try:
-        for _ in range(2):
-            cluster.add_node(**node)
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        patch.undo()
 
 
 def _replica_config(tmp_path: Path, **engine) -> Config:

@@ -417,14 +417,15 @@ class NodeEngines:
 @dataclass(eq=False)
 class ClusterRollouts:
     """What train.py needs of the rollout side, on a cluster: `cfg`, `engine` (NodeEngines),
-    `proxy` (the DriverLog), `leftovers_removed`, and the pools (`Pools.for_rollouts` calls
-    `cluster_pools`)."""
+    `proxy` (the DriverLog), `leftovers_removed`, `weight_sync`, and the pools
+    (`Pools.for_rollouts` calls `cluster_pools`)."""
 
     cfg: Config
     engine: NodeEngines
     proxy: DriverLog
     cluster: Cluster
     leftovers_removed: int
+    weight_sync: Any = None  # the learner's WeightSync: replicas' (replicas.py), a disk reload, or NodeEngines'
 
     def cluster_pools(self, **options: Any) -> ClusterPools:
         return ClusterPools(self.cluster, **options)
@@ -506,12 +507,49 @@ async def _stop_node(node: _Node) -> None:
 async def open_cluster(cfg: Config, run_dir: Path, *, emit: Emit | None = None,
                        engine: Any = None) -> AsyncIterator[ClusterRollouts]:
     """The cluster's rollout side for the life of the block; see the module docstring. `engine`
-    (tests: a scripted policy) is copied to every node in place of the configured one."""
+    (tests: a scripted policy) is copied to every node in place of the configured one. A vLLM
+    engine with neither url nor urls gets `engine.replicas` servers placed first (replicas.py),
+    which the nodes' engines route to."""
     import ray
 
     emit = emit or (lambda kind, data: None)
     run_dir = await asyncio.to_thread(run_dir.resolve)  # nodes on other machines get it absolute
     joined = await _connect(cfg)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            e = cfg.engine
+            replica_sync = None
+            if engine is None and e.kind == "vllm" and not (e.url or e.urls):
+                from polar_fast.cluster.replicas import placed_replicas
+
+                replicas = await stack.enter_async_context(placed_replicas(cfg, run_dir, emit=emit))
+                cfg, replica_sync = replicas.cfg, replicas.sync
+            async with _rollout_nodes(cfg, run_dir, emit, engine) as rollouts:
+                rollouts.weight_sync = replica_sync or await _weight_sync(cfg, rollouts, run_dir, stack)
+                yield rollouts
+    finally:
+        if joined:
+            with anyio.CancelScope(shield=True):
+                await asyncio.to_thread(ray.shutdown)
+
+
+async def _weight_sync(cfg: Config, rollouts: ClusterRollouts, run_dir: Path, stack: contextlib.AsyncExitStack):
+    """How the learner's weights reach the engines when no replicas were placed: servers the
+    user started (engine.url / urls) reload `<output_dir>/weights`, which they must serve, as on
+    one machine; in-process engines on the nodes get them through Ray (NodeEngines)."""
+    from polar_fast.learner.weight_sync import DiskSync, EngineSync
+
+    if rollouts.engine.made_up_logprobs or cfg.engine.kind != "vllm":
+        return EngineSync(rollouts.engine)
+    from polar_fast.engines import build_engine
+
+    client = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
+    stack.push_async_callback(client.aclose)
+    return DiskSync(client, run_dir / "weights", dtype=cfg.engine.dtype)
+
+
+@asynccontextmanager
+async def _rollout_nodes(cfg: Config, run_dir: Path, emit: Emit, engine: Any) -> AsyncIterator[ClusterRollouts]:
     nodes: list[_Node] = []
     try:
         ids = await _rollout_node_ids(cfg)
@@ -540,5 +578,3 @@ async def open_cluster(cfg: Config, run_dir: Path, *, emit: Emit | None = None,
     finally:
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*(_stop_node(n) for n in nodes))
-            if joined:
-                await asyncio.to_thread(ray.shutdown)
