@@ -148,6 +148,10 @@ def check_run(cfg: Config) -> None:
         raise RunError(f"sampling.temperature = {s.temperature}: greedy samples have no logprob the learner can "
                        "reproduce. Train with a temperature > 0")
     e = cfg.engine
+    if e.weight_sync == "transfer" and cfg.cluster.kind == "ray":
+        raise RunError("engine.weight_sync = \"transfer\" is not supported on a Ray cluster yet (the NCCL group would "
+                       "have to span the driver and every replica's node): use weight_sync = \"disk\", which each "
+                       "replica's node writes and reloads (docs/scaling.md)")
     if e.weight_sync == "transfer" and (e.kind != "vllm" or not cfg.learner.device.startswith("cuda")):
         raise RunError(f"engine.weight_sync = \"transfer\" broadcasts the weights over NCCL from a GPU learner to vLLM, "
                        f"but engine.kind = {e.kind!r} and learner.device = {cfg.learner.device!r}: use "

@@ -200,3 +200,13 @@ def test_check_reports_the_rollout_nodes_and_what_they_run(tmp_path, cluster):
     assert all(f"polar_fast {version}" in i.evidence for i in items[2:])  # each node imports the driver's
     short = check_cluster(cluster_config(tmp_path, cluster, cluster={"min_rollout_nodes": 3}))
     assert short[1].status == "fail" and "--resources '{\"polar_rollout\": 1}'" in short[1].fix
+
+
+def test_nccl_weight_transfer_is_refused_on_a_cluster_before_anything_starts():
+    from polar_fast.train import RunError, check_run
+
+    raw = {"cluster": {"kind": "ray"}, "engine": {"kind": "vllm", "weight_sync": "transfer"},
+           "learner": {"device": "cuda"}}
+    with pytest.raises(RunError, match="not supported on a Ray cluster"):
+        check_run(parse_config(raw))
+    check_run(parse_config({**raw, "cluster": {"kind": "local"}}))  # one machine: as before
