@@ -57,6 +57,7 @@ PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.engines.vllm_launch", "polar_fast.engines.scripted",
     "polar_fast.merge.arrays",  # the array contract the learner reads
     "polar_fast.cluster.driver",  # open_cluster: the rollout side of a Ray run (train.rollout_side)
+    "polar_fast.cluster.check",  # what `check` asks a Ray cluster
 }
 DIALECTS = "polar_fast.capture.dialects"
 FACES = {"polar_fast.merge", "polar_fast.capture.tokenizer", "polar_fast.wire"}

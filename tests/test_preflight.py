@@ -176,7 +176,7 @@ def test_check_passes_on_run_toml_as_shipped():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[-1].startswith("check: 11 items, 0 failed"), done.stdout
+    assert lines[-1].startswith("check: 12 items, 0 failed"), done.stdout
     assert any(line.startswith("pass  config: mini-swe-agent first request:") for line in lines), done.stdout
     assert any(line.startswith("pass  learner: memory:") for line in lines), done.stdout
 
@@ -202,5 +202,5 @@ def test_check_exits_1_and_prints_one_line_per_item_when_one_fails(tmp_path):
     assert lines[1].startswith("fail  config: claude-code compaction: threshold -1,000 tokens")
     assert [line.split(":")[0] for line in lines[:-1]] == [
         "pass  config", "fail  config", "fail  config", "pass  config", "pass  tasks", "pass  tasks", "n/a   tasks", "n/a   engine",
-        "n/a   engine", "pass  learner", "pass  disk"]
-    assert lines[-1] == "check: 11 items, 2 failed, 3 n/a"
+        "n/a   engine", "n/a   cluster", "pass  learner", "pass  disk"]
+    assert lines[-1] == "check: 12 items, 2 failed, 4 n/a"
