@@ -139,9 +139,10 @@ RAY_NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "
             "resources": {"polar_rollout": 1}}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One Ray cluster for the session's cluster tests (test_cluster, test_engine_replicas): a
+    """A Ray cluster for one module's cluster tests (test_cluster, test_engine_replicas; gone
+    after the module, so the suite's other tests never share the machine with it): a
     head with no CPUs (nothing is placed on it) and two worker nodes of one CPU each, offering
     `polar_rollout`, object stores capped, every address 127.0.0.1: Ray resolves "this node" to
     its loopback address when clusters are off for the platform

@@ -1,8 +1,10 @@
 """Rollouts on a Ray cluster (cluster/): a head and two worker nodes on this machine
-(`ray.cluster_utils.Cluster`), each worker offering `polar_rollout`, CPUs and object store capped.
-train() runs for real on it: the real mini-swe-agent CLI in local sandboxes on each node, the
-real proxy per node, the learner in the driver; only the model's choices are scripted (each node
-gets its own copy of the scripted engine)."""
+(`ray.cluster_utils.Cluster`, tests/conftest.py), each worker offering `polar_rollout`, CPUs and
+object store capped. train() runs for real on it: the real mini-swe-agent CLI in local sandboxes
+on each node, the real proxy per node, the learner in the driver (a two-layer model with
+SmolLM2's vocabulary, tokenizer and template: the steps are real and quick); only the model's
+choices are scripted (each node gets its own copy of the scripted engine), or come from HTTP
+doubles of vLLM placed as engine replicas."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from polar_fast.records import Outcome, RunEndRecord, attempt_of, read_log
 
 ray = pytest.importorskip("ray")
 from tests.conftest import RAY_NODE  # noqa: E402
+from tests.test_distributed_train import tiny_model_dir  # noqa: E402
 from tests.test_train import GROUP_REPLIES, raw_config  # noqa: E402
+from tests.vllm_double import fake_vllm_python  # noqa: E402
 
 
 @pytest.fixture
@@ -28,9 +32,19 @@ def cluster(ray_cluster):
     return ray_cluster
 
 
-def cluster_config(tmp_path, ray_cluster, *, steps: int = 2, cluster: dict | None = None):
-    raw = raw_config(tmp_path, steps=steps)
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def cluster_config(tmp_path, ray_cluster, *, steps: int = 2, cluster: dict | None = None, model: Path | None = None,
+                   engine: dict | None = None, **sections):
+    raw = raw_config(tmp_path, steps=steps, **sections)
     raw["run"].update(groups_per_step=2)  # one group per node at a time: both nodes work every step
+    if model is not None:
+        raw["model"] = {"path": str(model)}
+    if engine is not None:
+        raw["engine"] = engine
     raw["cluster"] = {"kind": "ray", "address": ray_cluster.address, "min_rollout_nodes": 2, "start_timeout_s": 60,
                       "stream_interval_s": 0.2, **(cluster or {})}
     return parse_config(raw)
@@ -76,12 +90,12 @@ def checked_steps(monkeypatch, run: Path) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_two_steps_on_two_rollout_nodes_stream_every_call_to_the_driver(tmp_path, cluster, monkeypatch,
-                                                                              scripted_engine):
+                                                                              scripted_engine, tiny_model):
     from polar_fast.train import train
 
     run = tmp_path / "run"
     trained = checked_steps(monkeypatch, run)
-    summary = await train(cluster_config(tmp_path, cluster), engine=scripted_engine)
+    summary = await train(cluster_config(tmp_path, cluster, model=tiny_model), engine=scripted_engine)
 
     assert [s["learner/step"] for s in summary.steps] == [1, 2] and len(trained) == 4
     await anyio.to_thread.run_sync(check_streamed, run, trained)
@@ -120,15 +134,16 @@ def victim(cluster):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_a_node_that_dies_mid_step_has_its_rollouts_abandoned_and_run_again_elsewhere(
-        tmp_path, cluster, victim, monkeypatch, scripted_engine):
+        tmp_path, cluster, victim, monkeypatch, scripted_engine, tiny_model):
     """A third rollout node joins, and is removed once one of its rollouts has calls in the
     driver's log and no end: those rollouts get `abandoned` records naming the node, their
-    group runs again on the nodes left (attempt ids), and the run finishes its step on them."""
+    group runs again on the nodes left (attempt ids; before new groups, so the second step trains
+    it), and the run finishes both steps on them."""
     from polar_fast.train import train
 
     run = tmp_path / "run"
     trained = checked_steps(monkeypatch, run)
-    cfg = cluster_config(tmp_path, cluster, steps=1, cluster={"min_rollout_nodes": 3})
+    cfg = cluster_config(tmp_path, cluster, cluster={"min_rollout_nodes": 3}, model=tiny_model)
     killed: dict[str, set[str]] = {}
 
     async def kill_mid_rollout() -> None:
@@ -145,7 +160,7 @@ async def test_a_node_that_dies_mid_step_has_its_rollouts_abandoned_and_run_agai
         tg.cancel_scope.cancel()
 
     assert killed, "the victim node never ran a rollout"
-    assert [s["learner/step"] for s in summary.steps] == [1]
+    assert [s["learner/step"] for s in summary.steps] == [1, 2]
     await anyio.to_thread.run_sync(check_node_loss, run, killed["rollouts"], trained)
 
 
@@ -166,12 +181,12 @@ def check_node_loss(run: Path, lost: set[str], trained) -> None:
         end = ends[rollout_id]
         assert end.outcome is Outcome.ABANDONED and "died" in end.error and end.reward is None
         assert end.n_calls == sum(c.rollout_id == rollout_id for c in driver.calls) > 0  # its calls stay, marked
-    assert isinstance(driver.records[-1], RunEndRecord) and driver.records[-1].reason.startswith("finished: 1 of 1")
-    # the lost group ran again, on another node, as its next attempt, and was whole when trained
+    assert isinstance(driver.records[-1], RunEndRecord) and driver.records[-1].reason.startswith("finished: 2 of 2")
+    # the lost group ran again, on another node, as its next attempt, and was trained (whole: checked_steps)
     retried = {attempt_of(r)[0].rsplit("-r", 1)[0] for r in lost}
-    again = [r for r in driver.rollouts if r.group_id in retried and r.outcome is not Outcome.ABANDONED]
-    assert again and all(attempt_of(r.rollout_id)[1] >= 1 for r in again)
-    assert {r.rollout_id for r in again}.isdisjoint(lost)
+    [again] = [g for g in trained if g.group_id in retried]
+    assert all(attempt_of(r.record.rollout_id)[1] >= 1 for r in again.rollouts)
+    assert {r.record.rollout_id for r in again.rollouts}.isdisjoint(lost)
 
 
 @pytest.mark.anyio
@@ -210,3 +225,46 @@ def test_nccl_weight_transfer_is_refused_on_a_cluster_before_anything_starts():
     with pytest.raises(RunError, match="not supported on a Ray cluster"):
         check_run(parse_config(raw))
     check_run(parse_config({**raw, "cluster": {"kind": "local"}}))  # one machine: as before
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_two_engine_replicas_serve_the_nodes_and_every_sync_reaches_both(tmp_path, cluster, monkeypatch,
+                                                                              tiny_model):
+    """engine.replicas = 2 with no url: the run places two vLLM servers (HTTP doubles of vLLM's
+    routes, started by the real launcher through engine.launch_python), the rollout nodes route
+    their sessions to them, and each of the learner's syncs reaches both replicas, whose calls
+    then carry the new version."""
+    from polar_fast.cluster.replicas import ReplicaSync
+    from polar_fast.train import train
+
+    after_sync: list[tuple[int, list[dict]]] = []
+    push = ReplicaSync.push
+
+    async def push_and_look(self, named_tensors, *, version):
+        await push(self, named_tensors, version=version)
+        after_sync.append((version, [await double_state(url) for url in self.replicas]))
+
+    monkeypatch.setattr(ReplicaSync, "push", push_and_look)
+    fake = await anyio.to_thread.run_sync(fake_vllm_python, tmp_path / "fake")
+    engine = {"kind": "vllm", "replicas": 2, "gpus_per_replica": 0, "launch_python": str(fake),
+              "launch_timeout_s": 120, "max_retries": 1}
+    # the doubles' logprobs are made up: no mismatch gate
+    cfg = cluster_config(tmp_path, cluster, model=tiny_model, engine=engine, learner={"max_mismatch_kl": 0.0})
+    summary = await train(cfg)
+
+    assert [s["learner/step"] for s in summary.steps] == [1, 2]
+    assert [v for v, _ in after_sync] == [1, 2]
+    for version, states in after_sync:
+        assert [s["version"] for s in states] == [str(version)] * 2  # the sync reached both replicas
+    assert all(s["calls"] > 0 for s in after_sync[-1][1])  # both served the nodes' sessions
+    versions = await anyio.to_thread.run_sync(lambda: {c.policy_version for c in read_log(tmp_path / "run" / "records.log").calls})
+    assert {0, 1} <= versions <= {0, 1, 2}  # calls sampled after the first sync carry its version
+
+
+async def double_state(url: str) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(url + "/double/state") as r:
+        return await r.json()

@@ -18,7 +18,8 @@ group its log does not hold. Rollout records are written by the driver (the trai
 `on_group`, as on one machine).
 
 Scheduling: a group runs whole on one node (its sandboxes, its sessions' prefix cache); each new
-group goes to the alive node with the most free slots (NodeInfo.capacity).
+group goes to the alive node with the most free slots (NodeInfo.capacity), and a group run again
+after a node died goes before new ones.
 
 A node that dies: its groups in flight are lost with it. Each rollout of theirs whose calls
 reached the driver gets an `abandoned` record naming the node (the calls stay in the log, never
@@ -164,24 +165,30 @@ class Cluster:
         self.cfg, self.log, self.nodes, self.emit = cfg, log, nodes, emit
         self.lanes: dict[str, ClusterPools] = {}
         self._changed = asyncio.Condition()
+        self._retries_waiting = 0
 
     @property
     def alive(self) -> list[_Node]:
         return [n for n in self.nodes if n.alive]
 
-    async def acquire(self) -> _Node:
+    async def acquire(self, *, retry: bool = False) -> _Node:
         """The alive node with the most free slots, once one has a slot; ClusterError when no
-        node is left."""
+        node is left. A group run again after its node died (`retry`) goes before new groups: its
+        data is the oldest, and the run should not leave it behind."""
         async with self._changed:
-            while True:
-                if not self.alive:
-                    raise ClusterError("every rollout node of the cluster died: the run cannot go on "
-                                       f"({len(self.nodes)} started; see each node's Ray logs)")
-                node = max(self.alive, key=lambda n: n.free)
-                if node.free > 0:
-                    node.running += 1
-                    return node
-                await self._changed.wait()
+            self._retries_waiting += retry
+            try:
+                while True:
+                    if not self.alive:
+                        raise ClusterError("every rollout node of the cluster died: the run cannot go on "
+                                           f"({len(self.nodes)} started; see each node's Ray logs)")
+                    node = max(self.alive, key=lambda n: n.free)
+                    if node.free > 0 and (retry or not self._retries_waiting):
+                        node.running += 1
+                        return node
+                    await self._changed.wait()
+            finally:
+                self._retries_waiting -= retry
 
     async def release(self, node: _Node) -> None:
         async with self._changed:
@@ -291,7 +298,7 @@ class ClusterPools:
     async def _group(self, spec: GroupSpec, on_group, slots: anyio.Semaphore | None) -> None:
         try:
             while True:
-                node = await self.cluster.acquire()
+                node = await self.cluster.acquire(retry=spec.first_attempt > 0)
                 self._running[spec.group_id] = (spec, node)
                 encoded, died = None, None
                 try:
