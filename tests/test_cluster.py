@@ -268,3 +268,59 @@ async def double_state(url: str) -> dict:
 
     async with aiohttp.ClientSession() as http, http.get(url + "/double/state") as r:
         return await r.json()
+
+
+CLUSTER_CANCEL_MARK = "polar-cluster-cancelled-while-this-runs"
+
+
+def sleepers(marker: str) -> int:
+    """Processes of this machine with `marker` on their command line (local boxes' commands)."""
+    import os
+
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                count += marker.encode() in f.read()
+        except OSError:
+            continue
+    return count
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_cluster_run_cancelled_mid_rollout_loses_nothing_and_leaves_no_box(tmp_path, cluster, tiny_model):
+    """Cancelled from outside while a rollout runs on each node: the nodes' last records are
+    drained into the driver's log, each rollout in flight gets its abandoned record there, the
+    run its end marker, and the nodes remove their boxes (the commands inside are gone)."""
+    from polar_fast.train import train
+    from polar_fast.warm_start import bash_call
+
+    engine = await anyio.to_thread.run_sync(
+        lambda: ScriptedEngine([bash_call(f"sleep 300 # {CLUSTER_CANCEL_MARK}")], load_tokenizer(""), cycle=True))
+    cfg = cluster_config(tmp_path, cluster, model=tiny_model, run={"tensorboard": False})
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_once_both_nodes_run() -> None:
+                while await anyio.to_thread.run_sync(sleepers, CLUSTER_CANCEL_MARK) < 2:
+                    await anyio.sleep(0.2)
+                scope.cancel()
+
+            tg.start_soon(cancel_once_both_nodes_run)
+            await train(cfg, engine=engine)
+    assert scope.cancelled_caught
+    assert await anyio.to_thread.run_sync(sleepers, CLUSTER_CANCEL_MARK) == 0
+    await anyio.to_thread.run_sync(check_cancelled, tmp_path / "run")
+
+
+def check_cancelled(run: Path) -> None:
+    driver = read_log(run / "records.log")
+    abandoned = driver.rollouts
+    assert len(abandoned) == 2 and all(r.outcome is Outcome.ABANDONED and r.n_calls == 1 for r in abandoned)
+    assert all(r.error.startswith("the run ended (cancelled), while running on node") for r in abandoned)
+    end = driver.records[-1]
+    assert isinstance(end, RunEndRecord) and (end.reason, end.abandoned) == ("cancelled", 2)
+    held = {(c.session_id, c.call_index) for c in driver.calls}
+    for path in node_logs(run).values():
+        assert {(c.session_id, c.call_index) for c in read_log(path).calls} <= held
