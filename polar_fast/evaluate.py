@@ -190,8 +190,8 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
     `engine_for(cfg)` replaces the configured engine (tests: a scripted one). `purpose` labels
     the rollout records: "eval" (held-out tasks, checked by heldout_tasks; never exported) or
     "demo" (the warm start's teacher demonstrations, exported for sft; no held-out check)."""
+    from polar_fast.cluster import rollout_side
     from polar_fast.rollouts.harnesses import get_harness
-    from polar_fast.rollouts.stack import open_rollouts
 
     emit = emit or (lambda kind, data: None)
     ks = sorted(set(ks))
@@ -222,7 +222,7 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
         hdir = run_dir / name
         await asyncio.to_thread(hdir.mkdir, parents=True, exist_ok=True)
         engine = engine_for(hcfg) if engine_for else None
-        async with open_rollouts(hcfg, hdir, emit=emit, engine=engine) as stack:
+        async with rollout_side(hcfg, hdir, emit=emit, engine=engine) as stack:  # here, or on a Ray cluster
             records = await evaluate_tasks(stack, tasks, samples, purpose=purpose)
         scores.append(score_harness(name, records, ks, [t.instance_id for t in tasks]))
     provenance = await asyncio.to_thread(collect_provenance, cfg, names)

@@ -75,10 +75,10 @@ async def open_rollout_service(cfg: Config, *, host: str | None = None,
     stops taking groups, open streams end, and in-flight rollouts are abandoned (sandboxes removed)."""
     from aiohttp import web
 
+    from polar_fast.cluster import rollout_side
     from polar_fast.errors import ConfigError
     from polar_fast.pools import Pools
     from polar_fast.rollouts.service import RolloutService
-    from polar_fast.rollouts.stack import open_rollouts
     from polar_fast.rollouts.tasks import load_builtin
 
     sc = msgspec.structs.replace(cfg.rollout_service, host=host or cfg.rollout_service.host,
@@ -88,7 +88,7 @@ async def open_rollout_service(cfg: Config, *, host: str | None = None,
     run_dir = Path(cfg.run.output_dir)
     await asyncio.to_thread(run_dir.mkdir, parents=True, exist_ok=True)
     builtin = {t.instance_id: t for t in await asyncio.to_thread(load_builtin)}
-    async with open_rollouts(cfg, run_dir) as r:
+    async with rollout_side(cfg, run_dir) as r:  # here, or on a Ray cluster's rollout nodes
         service = RolloutService(sc, default_group_size=cfg.pools.group_size, record=r.proxy.record, builtin=builtin)
         runner = web.AppRunner(service.make_app(), handle_signals=False, access_log=None)
         async with asyncio.TaskGroup() as tg:

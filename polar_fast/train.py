@@ -49,6 +49,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import anyio
 import msgspec
 
+from polar_fast.cluster import rollout_side
 from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
 from polar_fast.grpo import Gate, Learner, trains_on
@@ -61,7 +62,6 @@ from polar_fast.proxy import Proxy
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord, RunEndRecord
 from polar_fast.report.metrics import MetricsWriter
 from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
-from polar_fast.rollouts.stack import open_rollouts
 from polar_fast.rollouts.task_images import check_images
 from polar_fast.rollouts.tasks import Task, load_tasks
 from polar_fast.signals import StopSignal
@@ -246,21 +246,6 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
         with anyio.CancelScope(shield=True):
             await asyncio.to_thread(metrics.close)
     return summary
-
-
-@contextlib.asynccontextmanager
-async def rollout_side(cfg: Config, run_dir: Path, *, emit: Emit, engine=None) -> AsyncIterator:
-    """Where the rollouts run: this process (rollouts/stack.py), or the rollout nodes of a Ray
-    cluster (`cluster.kind = "ray"`, cluster/driver.py: the same face, its pools hand groups to
-    the nodes). Only a cluster run imports Ray."""
-    if cfg.cluster.kind == "ray":
-        from polar_fast.cluster.driver import open_cluster
-
-        async with open_cluster(cfg, run_dir, emit=emit, engine=engine) as rollouts:
-            yield rollouts
-    else:
-        async with open_rollouts(cfg, run_dir, emit=emit, engine=engine) as rollouts:
-            yield rollouts
 
 
 def first_step_gate(cfg: Config, engine) -> Gate | None:

@@ -324,3 +324,28 @@ def check_cancelled(run: Path) -> None:
     held = {(c.session_id, c.call_index) for c in driver.calls}
     for path in node_logs(run).values():
         assert {(c.session_id, c.call_index) for c in read_log(path).calls} <= held
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_eval_runs_on_the_rollout_nodes_too(tmp_path, cluster, scripted_engine, tiny_model):
+    """`eval` opens its rollouts through the same door as train: on the cluster, its groups run
+    on the nodes and its records land in the driver's eval log."""
+    from polar_fast.evaluate import run_eval
+
+    cfg = cluster_config(tmp_path, cluster, model=tiny_model, tasks={"limit": 2})
+    report = await run_eval(cfg, samples=2, split="train", limit=2, engine_for=lambda c: scripted_engine)
+
+    # each node's first rollout applies the first task's fix, which only that task takes
+    [score] = report.harnesses
+    assert score.tasks == 2 and score.pass_at["1"] == 0.25 and score.samples == 4
+    await anyio.to_thread.run_sync(check_eval_logs, tmp_path / "run" / "eval" / "mini-swe-agent")
+
+
+def check_eval_logs(run: Path) -> None:
+    log = read_log(run / "records.log")
+    assert sorted(r.reward for r in log.rollouts) == [0.0, 0.0, 0.0, 1.0]
+    assert all(r.purpose == "eval" for r in log.rollouts) and len(log.calls) == 8
+    nodes = node_logs(run)
+    assert len(nodes) == 2 and all(read_log(p).calls for p in nodes.values())  # one task's group on each node

@@ -56,7 +56,6 @@ PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.learner.sft", "polar_fast.learner.batches", "polar_fast.learner.memory",
     "polar_fast.engines.vllm_launch", "polar_fast.engines.scripted",
     "polar_fast.merge.arrays",  # the array contract the learner reads
-    "polar_fast.cluster.driver",  # open_cluster: the rollout side of a Ray run (train.rollout_side)
     "polar_fast.cluster.check",  # what `check` asks a Ray cluster
 }
 DIALECTS = "polar_fast.capture.dialects"
@@ -303,14 +302,15 @@ def ray_importers(sources: dict[str, str]) -> set[str]:
 
 def test_only_the_cluster_package_imports_ray():
     """Ray is the `ray` extra: the local path (train, eval, serve, the CPU default) never needs
-    it, so only polar_fast/cluster/ may import it, and nothing imports the cluster package except
-    train's `rollout_side` and check's cluster items, both under `cluster.kind = "ray"` (test below)."""
+    it, so only polar_fast/cluster/ may import it. Outside the package, its entry (`rollout_side`,
+    which imports the driver only for `cluster.kind = "ray"`) is the door, and check's cluster
+    items the one other user, under the same condition (test below)."""
     sources = module_sources()
     assert {m for m in ray_importers(sources) if not m.startswith("polar_fast.cluster")} == set()
     assert ray_importers({"m": "def f():\n    from ray.util import placement_group\n"}) == {"m"}  # the check bites
     users = {m for m, targets in import_graph(sources).items()
-             if any(t.startswith("polar_fast.cluster") for t in targets) and not m.startswith("polar_fast.cluster")}
-    assert users == {"polar_fast.train", "polar_fast.preflight.cluster"}
+             if any(t.startswith("polar_fast.cluster.") for t in targets) and not m.startswith("polar_fast.cluster")}
+    assert users == {"polar_fast.preflight.cluster"}
 
 
 def test_the_local_path_loads_no_ray():
@@ -319,6 +319,6 @@ def test_the_local_path_loads_no_ray():
             "from polar_fast.config import parse_config\n"
             "assert parse_config({}).cluster.kind == 'local'\n"
             "assert check_cluster(parse_config({}))[0].status == 'n/a'\n"
-            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'polar_fast.cluster'))))")
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'polar_fast.cluster.'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
