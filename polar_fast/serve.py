@@ -65,7 +65,7 @@ async def serve_forever(cfg: Config, *, host: str | None = None, port: int | Non
 class RunningService:
     service: RolloutService
     url: str  # http://HOST:PORT of the service API
-    rollouts: Rollouts  # proxy, engine, agent, factory
+    rollouts: Rollouts  # proxy, engine, agent, factory (on a Ray cluster: cluster/driver.py ClusterRollouts)
 
 
 @asynccontextmanager
@@ -109,8 +109,10 @@ async def serve_rollouts(cfg: Config, *, host: str | None = None, port: int | No
     """Run the service until SIGINT/SIGTERM (the CLI's entry point)."""
     with StopSignal() as stop:
         async with open_rollout_service(cfg, host=host, port=port) as running:
-            print(f"polar_fast rollout service on {running.url}  (proxy {running.rollouts.proxy.base_url}, "
-                  f"harness {cfg.harness.name}, engine {cfg.engine.kind})", flush=True)
+            where = (f"{len(running.rollouts.cluster.alive)} rollout nodes" if cfg.cluster.kind == "ray"
+                     else f"proxy {running.rollouts.proxy.base_url}")
+            print(f"polar_fast rollout service on {running.url}  ({where}, harness {cfg.harness.name}, "
+                  f"engine {cfg.engine.kind})", flush=True)
             print(f"submit: curl -X POST {running.url}/rollouts/groups -d '{{\"task\": \"<builtin id>\"}}'", flush=True)
             await stop.event.wait()
 

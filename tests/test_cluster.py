@@ -22,6 +22,7 @@ from polar_fast.records import Outcome, RunEndRecord, attempt_of, read_log
 
 ray = pytest.importorskip("ray")
 from tests.conftest import RAY_NODE  # noqa: E402
+from tests.test_rollout_service import TASK, read_frames  # noqa: E402
 from tests.test_distributed_train import tiny_model_dir  # noqa: E402
 from tests.test_train import GROUP_REPLIES, raw_config  # noqa: E402
 from tests.vllm_double import fake_vllm_python  # noqa: E402
@@ -349,3 +350,39 @@ def check_eval_logs(run: Path) -> None:
     assert all(r.purpose == "eval" for r in log.rollouts) and len(log.calls) == 8
     nodes = node_logs(run)
     assert len(nodes) == 2 and all(read_log(p).calls for p in nodes.values())  # one task's group on each node
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_the_rollout_service_hands_its_groups_to_the_rollout_nodes(tmp_path, cluster, tiny_model):
+    """`serve` on a cluster: two submitted groups run on the two nodes (each node's scripted
+    engine, from the config, plays one group), their batches stream out, and the driver's log
+    holds every rollout and call the batches were merged from."""
+    import aiohttp
+    import numpy as np
+
+    from polar_fast import merge
+    from polar_fast.rollouts.service import decode_batch
+    from polar_fast.serve import open_rollout_service
+
+    cfg = cluster_config(tmp_path, cluster, model=tiny_model)
+    async with open_rollout_service(cfg) as running, aiohttp.ClientSession() as http:
+        url = running.url
+        async with http.get(f"{url}/rollouts/stream") as stream:
+            ids = []
+            for _ in range(2):
+                async with http.post(f"{url}/rollouts/groups", json={"task": TASK.instance_id}) as r:
+                    ids.append((await r.json())["group_id"])
+            frames = await read_frames(stream, 2)
+        async with http.get(f"{url}/rollouts/statistics") as r:
+            stats = await r.json()
+    assert stats["pending_groups"] == 0 and stats["pools"]["agent"]["completed"] >= 2  # as of the nodes' last drain
+    batches = {(batch := decode_batch(f))["group_id"]: batch for f in frames}
+    assert sorted(batches) == sorted(ids) and all(b["rewards"] == [1.0, 0.0] for b in batches.values())
+    contents = await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")
+    assert len(contents.rollouts) == 4
+    for group_id, batch in batches.items():
+        expected = merge.merge([c for c in contents.calls if c.group_id == group_id])
+        assert np.array_equal(batch["arrays"]["tokens"], expected.tokens)
+    assert await anyio.to_thread.run_sync(lambda: len(node_logs(tmp_path / "run"))) == 2
