@@ -21,11 +21,11 @@ from polar_fast.model import load_tokenizer
 from polar_fast.records import Outcome, RunEndRecord, attempt_of, read_log
 
 ray = pytest.importorskip("ray")
-from tests.conftest import RAY_NODE  # noqa: E402
-from tests.test_rollout_service import TASK, read_frames  # noqa: E402
-from tests.test_distributed_train import tiny_model_dir  # noqa: E402
-from tests.test_train import GROUP_REPLIES, raw_config  # noqa: E402
-from tests.vllm_double import fake_vllm_python  # noqa: E402
+from conftest import RAY_NODE  # noqa: E402
+from test_distributed_train import tiny_model_dir  # noqa: E402
+from test_rollout_service import TASK, read_frames  # noqa: E402
+from test_train import GROUP_REPLIES, raw_config  # noqa: E402
+from vllm_double import fake_vllm_python  # noqa: E402
 
 
 @pytest.fixture
