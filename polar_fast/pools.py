@@ -66,7 +66,7 @@ from polar_fast.config import PoolsConfig
 from polar_fast.records import CallRecord, Outcome, RolloutRecord, attempt_id
 from polar_fast.rollouts.admission import DiskReserve
 from polar_fast.rollouts.agent import AgentInfraError, AgentResult, AgentRunner
-from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec, group_specs
 from polar_fast.rollouts.reward import EvalResult, evaluate
 from polar_fast.rollouts.sandboxes import SandboxError, SandboxSpec
 from polar_fast.rollouts.tasks import DiffTooLarge, Task, TaskError, prepare_repo, repo_diff
@@ -307,20 +307,12 @@ class Pools:
     # -------------------------------------------------------------------------- producer + grouper
 
     async def _producer(self, tasks: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec]) -> None:
-        if isinstance(tasks, AsyncIterable):
-            n = 0
-            async for item in tasks:
-                await self._produce(n, item)
-                n += 1
-        else:
-            for n, item in enumerate(tasks):
-                await self._produce(n, item)
+        async for spec in group_specs(tasks, self.cfg.group_size):
+            await self._produce(spec)
         self._producer_done = True
         self._maybe_close_boot()
 
-    async def _produce(self, n: int, item: Task | GroupSpec) -> None:
-        if not isinstance(item, GroupSpec):
-            item = GroupSpec(task=item, group_id=f"{item.instance_id}-g{n}", group_size=self.cfg.group_size)
+    async def _produce(self, item: GroupSpec) -> None:
         if self._group_slots is not None:
             await self._group_slots.acquire()  # released when the group goes to on_group
         self._in_flight[item.group_id] = item.group_size

@@ -56,7 +56,7 @@ from polar_fast.grpo import Gate, Learner, trains_on
 from polar_fast.learner import distributed
 from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
-from polar_fast.learner.weight_sync import DiskSync, EngineSync, NcclSender, VllmTransferSync, WeightSync
+from polar_fast.learner.weight_sync import WeightSync, weight_sync_for
 from polar_fast.pools import Pools
 from polar_fast.proxy import Proxy
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord, RunEndRecord
@@ -178,15 +178,6 @@ async def _close_crashed_run(rollouts, run_dir: Path, step: int, emit: Emit) -> 
                              f"{len(left)} rollouts it left in flight recorded as abandoned"})
 
 
-def _weight_sync(cfg: Config, engine, run_dir: Path):
-    e = cfg.engine
-    if e.kind == "vllm" and e.weight_sync == "transfer":
-        return VllmTransferSync(engine, NcclSender(master_port=e.transfer_port), dtype=e.dtype)
-    if e.kind == "vllm":
-        return DiskSync(engine, run_dir / "weights", dtype=e.dtype)
-    return EngineSync(engine)
-
-
 async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, dict], None] | None = None,
                 engine=None) -> RunSummary:
     """Run `cfg.run.steps` GRPO steps; see the module docstring. `on_event(kind, data)` receives
@@ -220,7 +211,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
             summary.leftovers_removed = rollouts.leftovers_removed
             if resume:
                 await _close_crashed_run(rollouts, run_dir, learner.step_count, emit)
-            sync = rollouts.weight_sync if cfg.cluster.kind == "ray" else _weight_sync(cfg, rollouts.engine, run_dir)
+            sync = rollouts.weight_sync if cfg.cluster.kind == "ray" else weight_sync_for(cfg, rollouts.engine, run_dir)
             if learner.version:  # the engine starts from the resumed policy
                 await learner.sync_weights(sync)
             with StopSignal(asyncio.current_task()) as stop:

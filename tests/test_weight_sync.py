@@ -275,7 +275,8 @@ def test_transfer_sync_is_chosen_by_config_and_needs_vllm_and_a_gpu_learner(tmp_
     from types import SimpleNamespace
 
     from polar_fast.config import parse_config
-    from polar_fast.train import RunError, _weight_sync, check_run
+    from polar_fast.learner.weight_sync import weight_sync_for
+    from polar_fast.train import RunError, check_run
 
     with pytest.raises(RunError, match="engine.kind = 'embedded'"):
         check_run(parse_config({"engine": {"weight_sync": "transfer"}}))
@@ -285,8 +286,8 @@ def test_transfer_sync_is_chosen_by_config_and_needs_vllm_and_a_gpu_learner(tmp_
                                    "transfer_port": 29600}, "learner": {"device": "cuda"}})
     check_run(cfg)
     engine = SimpleNamespace(url="http://127.0.0.1:8000", policy_version=0)
-    sync = _weight_sync(cfg, engine, tmp_path)
+    sync = weight_sync_for(cfg, engine, tmp_path)
     assert isinstance(sync, VllmTransferSync) and sync.dtype == "bfloat16"
     assert sync.engine is engine and sync.sender.init_info(4)["master_port"] == 29600
     disk = parse_config({"engine": {"kind": "vllm"}})
-    assert isinstance(_weight_sync(disk, engine, tmp_path), DiskSync)  # the default
+    assert isinstance(weight_sync_for(disk, engine, tmp_path), DiskSync)  # the default

@@ -193,9 +193,10 @@ async def open_cluster(cfg: Config, run_dir: Path, *, emit: Emit | None = None,
 
 async def _weight_sync(cfg: Config, rollouts: ClusterRollouts, run_dir: Path, stack: contextlib.AsyncExitStack):
     """How the learner's weights reach the engines when no replicas were placed: servers the
-    user started (engine.url / urls) reload `<output_dir>/weights`, which they must serve, as on
-    one machine; in-process engines on the nodes get them through Ray (NodeEngines)."""
-    from polar_fast.learner.weight_sync import DiskSync, EngineSync
+    user started (engine.url / urls) reload `<output_dir>/weights`, which they must serve, through
+    a client of the driver's, as on one machine; in-process engines on the nodes get them
+    through Ray (NodeEngines)."""
+    from polar_fast.learner.weight_sync import EngineSync, weight_sync_for
 
     if rollouts.engine.made_up_logprobs or cfg.engine.kind != "vllm":
         return EngineSync(rollouts.engine)
@@ -203,7 +204,7 @@ async def _weight_sync(cfg: Config, rollouts: ClusterRollouts, run_dir: Path, st
 
     client = await asyncio.to_thread(build_engine, cfg.model, cfg.engine)
     stack.push_async_callback(client.aclose)
-    return DiskSync(client, run_dir / "weights", dtype=cfg.engine.dtype)
+    return weight_sync_for(cfg, client, run_dir)
 
 
 @asynccontextmanager

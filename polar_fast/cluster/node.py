@@ -42,7 +42,6 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     hostname: str
     capacity: int  # groups it runs at once
-    log: str  # its own record log
     leftovers_removed: int  # sandboxes of a killed earlier run on this node
 
 
@@ -160,7 +159,7 @@ class RolloutNode:
         self._thread = _LoopThread()
         rollouts = await self._thread.run(self._open(cfg, Path(node_dir), engine))
         info = NodeInfo(node_id=self.node_id(), hostname=socket.gethostname(), capacity=node_capacity(cfg),
-                        log=str(rollouts.log.path), leftovers_removed=rollouts.leftovers_removed)
+                        leftovers_removed=rollouts.leftovers_removed)
         return msgspec.msgpack.encode(info)
 
     async def _open(self, cfg: Config, node_dir: Path, engine: Any) -> Rollouts:

@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterable, Awaitable, Callable, Iterable
 
 import anyio
 import msgspec
@@ -19,8 +19,8 @@ from polar_fast.cluster.driver_log import DriverLog
 from polar_fast.cluster.node import Drained, NodeInfo
 from polar_fast.config import Config
 from polar_fast.pools import HISTOGRAM_BOUNDS_S, PoolsStatistics, StageStatistics
-from polar_fast.records import Outcome, RolloutRecord, attempt_of
-from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
+from polar_fast.records import Outcome, RolloutRecord, attempt_id, attempt_of
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec, group_specs
 from polar_fast.rollouts.tasks import Task
 
 Emit = Callable[[str, dict], None]
@@ -174,9 +174,7 @@ class ClusterPools:
         slots = anyio.Semaphore(self.max_groups_in_flight) if self.max_groups_in_flight > 0 else None
         try:
             async with anyio.create_task_group() as tg:
-                async for n, item in _enumerate(tasks):
-                    if not isinstance(item, GroupSpec):
-                        item = GroupSpec(task=item, group_id=f"{item.instance_id}-g{n}", group_size=self.group_size)
+                async for item in group_specs(tasks, self.group_size):
                     if slots is not None:
                         await slots.acquire()
                     await _wait_for_a_free_node(cluster)
@@ -227,15 +225,13 @@ class ClusterPools:
         log, harness = self.cluster.log, self.cluster.cfg.harness.name
         left = log.unended(spec.group_id)
         why = f"rollout node {node.label} died ({type(error).__name__}) while it ran"
-        await log.record(*(RolloutRecord(rollout_id=r, group_id=spec.group_id, task_id=spec.task.instance_id,
-                                         harness=harness, outcome=Outcome.ABANDONED, n_calls=n,
-                                         attempt=attempt_of(r)[1], error=f"{why}; its group runs again elsewhere")
+        await log.record(*(self._abandoned(spec, r, n, f"{why}; its group runs again elsewhere")
                            for r, n in sorted(left.items())))
         attempt = max([spec.first_attempt] + [attempt_of(r)[1] for r in left]) + 1
         if attempt <= self.cluster.cfg.pools.infra_retries:
             self._retries += spec.group_size
             return msgspec.structs.replace(spec, first_attempt=attempt)
-        records = [RolloutRecord(rollout_id=f"{spec.group_id}-r{i}.a{attempt}", group_id=spec.group_id,
+        records = [RolloutRecord(rollout_id=attempt_id(f"{spec.group_id}-r{i}", attempt), group_id=spec.group_id,
                                  task_id=spec.task.instance_id, harness=harness, outcome=Outcome.INFRA_ERROR,
                                  attempt=attempt, error=f"{why}; out of retries (pools.infra_retries)")
                    for i in range(spec.group_size)]
@@ -247,16 +243,18 @@ class ClusterPools:
     def abandon(self, reason: str) -> list[FinishedRollout]:
         """After `run` ended early: an `abandoned` record for each rollout of a group still
         running whose calls reached the driver (they are all in its log: run's last drain)."""
-        out = []
-        for spec, node in self._running.values():
-            for rollout_id, n in sorted(self.cluster.log.unended(spec.group_id).items()):
-                out.append(FinishedRollout(record=RolloutRecord(
-                    rollout_id=rollout_id, group_id=spec.group_id, task_id=spec.task.instance_id,
-                    harness=self.cluster.cfg.harness.name, outcome=Outcome.ABANDONED, n_calls=n,
-                    attempt=attempt_of(rollout_id)[1], error=f"{reason}, while running on node {node.label} "
-                                                             f"({n} model calls)")))
+        out = [FinishedRollout(record=self._abandoned(spec, rollout_id, n, f"{reason}, while running on node "
+                                                                           f"{node.label} ({n} model calls)"))
+               for spec, node in self._running.values()
+               for rollout_id, n in sorted(self.cluster.log.unended(spec.group_id).items())]
         self._running.clear()
         return out
+
+    def _abandoned(self, spec: GroupSpec, rollout_id: str, n_calls: int, error: str) -> RolloutRecord:
+        """The end record of a rollout of `spec` that made `n_calls` calls and never finished."""
+        return RolloutRecord(rollout_id=rollout_id, group_id=spec.group_id, task_id=spec.task.instance_id,
+                             harness=self.cluster.cfg.harness.name, outcome=Outcome.ABANDONED, n_calls=n_calls,
+                             attempt=attempt_of(rollout_id)[1], error=error)
 
     def statistics(self) -> PoolsStatistics:
         per_node = [n.statistics[self.lane] for n in self.cluster.alive if self.lane in n.statistics]
@@ -280,17 +278,6 @@ def _sum_stages(name: str, stages: list[dict]) -> StageStatistics:
         busy_fraction=sum(s["busy_fraction"] * s["workers"] for s in stages) / workers if workers else 0.0,
         oldest_running_s=max((s["oldest_running_s"] for s in stages), default=0.0), histogram=histogram,
         mean_s=sum(s["mean_s"] * s["completed"] for s in stages) / completed if completed else 0.0)
-
-
-async def _enumerate(items) -> AsyncIterator[tuple[int, Any]]:
-    if isinstance(items, AsyncIterable):
-        n = 0
-        async for item in items:
-            yield n, item
-            n += 1
-    else:
-        for n, item in enumerate(items):
-            yield n, item
 
 
 async def _wait_for_a_free_node(cluster: Cluster) -> None:

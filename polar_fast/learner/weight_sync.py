@@ -39,6 +39,8 @@ from polar_fast.errors import WeightSyncError
 if TYPE_CHECKING:
     import torch
 
+    from polar_fast.config import Config
+
 NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
 
 
@@ -62,6 +64,18 @@ class WeightStream:
 
 class WeightSync(Protocol):
     async def push(self, named_tensors: NamedTensors, *, version: int) -> None: ...
+
+
+def weight_sync_for(cfg: Config, engine: Any, run_dir: Path) -> WeightSync:
+    """How the run's weights reach `engine`: vLLM by NCCL transfer or by reloading
+    `<run_dir>/weights` (the directory the launcher serves), an in-process engine directly. A
+    training run and a Ray run's driver (for servers the user started) both choose here."""
+    e = cfg.engine
+    if e.kind == "vllm" and e.weight_sync == "transfer":
+        return VllmTransferSync(engine, NcclSender(master_port=e.transfer_port), dtype=e.dtype)
+    if e.kind == "vllm":
+        return DiskSync(engine, run_dir / "weights", dtype=e.dtype)
+    return EngineSync(engine)
 
 
 class EngineSync:

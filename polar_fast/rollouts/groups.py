@@ -14,6 +14,8 @@ infra error and was retried stay in the record log, never in the group.
 
 from __future__ import annotations
 
+from typing import AsyncIterable, AsyncIterator, Iterable
+
 import msgspec
 
 from polar_fast.records import CallRecord, RolloutRecord
@@ -31,6 +33,26 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the attempt its rollouts start at: a group a dead rollout node left is run again elsewhere as
     # its next attempt (cluster/driver.py), so retried rollout ids never repeat the lost ones
     first_attempt: int = 0
+
+
+async def group_specs(items: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec],
+                      group_size: int) -> AsyncIterator[GroupSpec]:
+    """A task stream (sync or async, Tasks or GroupSpecs) as the groups to run: a GroupSpec as it
+    is, a plain Task, the n-th item, as `<instance_id>-g<n>` of `group_size` rollouts. The local
+    pools and a cluster's (cluster/scheduling.py) both name groups here."""
+    def spec(n: int, item: Task | GroupSpec) -> GroupSpec:
+        if isinstance(item, GroupSpec):
+            return item
+        return GroupSpec(task=item, group_id=f"{item.instance_id}-g{n}", group_size=group_size)
+
+    if isinstance(items, AsyncIterable):
+        n = 0
+        async for item in items:
+            yield spec(n, item)
+            n += 1
+    else:
+        for n, item in enumerate(items):
+            yield spec(n, item)
 
 
 class FinishedRollout(msgspec.Struct, frozen=True, kw_only=True):
