@@ -9,10 +9,10 @@ sessions each replica served."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
+import contextlib
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import anyio
 import msgspec
@@ -27,16 +27,31 @@ from polar_fast.engines.vllm_launch import launch_spec
 from polar_fast.errors import ConfigError
 from polar_fast.learner.weight_sync import save_safetensors
 
-ROOT = Path(__file__).resolve().parents[1]
-
 SESSIONS = 24
 
 
-async def _doubles(n: int = 2) -> list[VllmDouble]:
+@contextlib.asynccontextmanager
+async def _serving(n: int = 2) -> AsyncIterator[list[VllmDouble]]:
+    """`n` doubles on 127.0.0.1, stopped on the way out (stopping one twice is harmless)."""
     doubles = [VllmDouble() for _ in range(n)]
-    for d in doubles:
-        await d.start()
-    return doubles
+    try:
+        for d in doubles:
+            await d.start()
+        yield doubles
+    finally:
+        for d in doubles:
+            await d.stop()
+
+
+@contextlib.asynccontextmanager
+async def _replicated() -> AsyncIterator[tuple[list[VllmDouble], ReplicatedEngine]]:
+    """Two doubles and the replicated engine over them, both closed on the way out."""
+    async with _serving() as doubles:
+        engine = _engine([d.url for d in doubles])
+        try:
+            yield doubles, engine
+        finally:
+            await engine.aclose()
 
 
 def _engine(urls: list[str]) -> ReplicatedEngine:
@@ -53,9 +68,7 @@ async def _call(engine, session: int, turn: int = 0):
 
 @pytest.mark.anyio
 async def test_sessions_stick_to_a_replica_and_calls_carry_its_version():
-    doubles = await _doubles()
-    engine = _engine([d.url for d in doubles])
-    try:
+    async with _replicated() as (doubles, engine):
         for turn in range(3):
             for s in range(SESSIONS):
                 gen = await _call(engine, s, turn)
@@ -75,17 +88,11 @@ async def test_sessions_stick_to_a_replica_and_calls_carry_its_version():
         versions = {s: (await _call(engine, s, 9)).policy_version for s in range(SESSIONS)}
         assert versions == {s: 2 if s in a else 1 for s in range(SESSIONS)}
         assert set().union(*(d.sessions for d in doubles)) == set(range(SESSIONS)) and not a & b
-    finally:
-        await engine.aclose()
-        for d in doubles:
-            await d.stop()
 
 
 @pytest.mark.anyio
 async def test_a_stopped_replica_fails_its_sessions_once_then_they_move():
-    doubles = await _doubles()
-    engine = _engine([d.url for d in doubles])
-    try:
+    async with _replicated() as (doubles, engine):
         for s in range(SESSIONS):
             await _call(engine, s)
         on_a, on_b = set(doubles[0].sessions), set(doubles[1].sessions)
@@ -107,24 +114,15 @@ async def test_a_stopped_replica_fails_its_sessions_once_then_they_move():
             await _call(engine, 0, 5)
         with pytest.raises(EngineUnavailable, match="no engine replica is left, all 2 were taken out"):
             await _call(engine, 1, 5)
-    finally:
-        await engine.aclose()
-        for d in doubles:
-            await d.stop()
 
 
 @pytest.mark.anyio
 async def test_a_replica_down_at_a_sync_is_taken_out_and_the_sync_goes_on():
-    doubles = await _doubles()
-    engine = _engine([d.url for d in doubles])
-    try:
+    async with _replicated() as (doubles, engine):
         await doubles[1].stop()
         await engine.update_weights(None, version=4)
         assert doubles[0].version == "4" and engine.policy_version == 4 and list(engine.lost) == [doubles[1].url]
         assert {(await _call(engine, s)).policy_version for s in range(8)} == {4}
-    finally:
-        await engine.aclose()
-        await doubles[0].stop()
 
 
 def test_replica_config_is_checked(tmp_path):
@@ -143,13 +141,9 @@ def test_replica_config_is_checked(tmp_path):
 async def test_preflight_checks_every_replica():
     from polar_fast.preflight.engine import check_engine
 
-    doubles = await _doubles()
-    cfg = parse_config({"engine": {"kind": "vllm", "urls": [doubles[0].url, "http://127.0.0.1:9"]}})
-    try:
+    async with _serving() as doubles:
+        cfg = parse_config({"engine": {"kind": "vllm", "urls": [doubles[0].url, "http://127.0.0.1:9"]}})
         items = await asyncio.to_thread(check_engine, cfg)
-    finally:
-        for d in doubles:
-            await d.stop()
     assert [i.status for i in items] == ["pass", "fail", "n/a"]
     assert "http://127.0.0.1:9 does not answer" in items[1].evidence
 
