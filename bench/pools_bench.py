@@ -78,7 +78,7 @@ class SimAgent:
     def spec(self, task, rollout_id: str) -> SandboxSpec:
         return SandboxSpec(name=rollout_id)
 
-    async def run(self, box, task, *, rollout_id, group_id, timeout_s, calls) -> AgentResult:
+    async def run(self, box, task, *, rollout_id, group_id, timeout_s, calls, guide=()) -> AgentResult:
         await anyio.sleep(self.durations("agent"))
         return AgentResult(exit_code=0)
 

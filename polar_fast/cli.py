@@ -3,7 +3,7 @@
     python -m polar_fast --config run.toml [--resume] [--set section.key=value ...]   # train
     torchrun --nproc_per_node N -m polar_fast --config run.toml ...   # learner on N GPUs (FSDP2)
     python -m polar_fast serve --config run.toml [--host H] [--port P] [--rollouts]
-    python -m polar_fast eval --config run.toml [--checkpoint PATH] [--harness a,b] [--samples N] [--k 1,5]
+    python -m polar_fast eval --config run.toml [--checkpoint PATH] [--harness a,b] [--samples N] [--k 1,5] [--guided]
     python -m polar_fast export --run runs/default --out sft/ [--min-reward 1.0]
     python -m polar_fast export-model --config run.toml --checkpoint runs/default/checkpoints --out DIR
     python -m polar_fast check --config run.toml   # preflight: exits 1 when an item fails
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default=None, help="task split (default: eval.split)")
     evaluate.add_argument("--limit", type=int, default=None, help="tasks of the split (default: eval.limit, 0 = all)")
     evaluate.add_argument("--out", type=Path, default=None, help="JSON report (default: <run.output_dir>/eval/<split>.json)")
+    evaluate.add_argument("--guided", action="store_true",
+                          help="guide each rollout as [guide] guides training (validation only: held-out is never guided)")
     sft.add_argument("--data", type=Path, required=True, help="export's output dir (tokens.jsonl) or a .jsonl file")
     sft.add_argument("--out", type=Path, default=None, help="model directory to write (default: <run.output_dir>/sft)")
     sft.add_argument("--epochs", type=int, default=None, help="default: sft.epochs")
@@ -198,7 +200,8 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
 
     report = uvloop.run(run_eval(
         cfg, harnesses=harnesses, samples=args.samples or cfg.eval.samples, ks=ks, split=args.split,
-        limit=cfg.eval.limit if args.limit is None else args.limit, checkpoint=args.checkpoint, emit=info))
+        limit=cfg.eval.limit if args.limit is None else args.limit, checkpoint=args.checkpoint, emit=info,
+        guided=args.guided))
     out = write_report(report, args.out or Path(cfg.run.output_dir) / "eval" / f"{report.split}.json")
     print(format_report(report))
     print(f"report: {out}")

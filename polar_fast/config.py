@@ -144,6 +144,16 @@ class TasksConfig(_Section):
     limit: int = 0  # 0 = all
     shuffle_seed: int = 0
     image: str = ""  # template overriding every task's image, e.g. "sweb.eval.x86_64.{instance_id}:latest"
+    retire_after: int = 0  # training: a task whose last N groups each scored alike (all pass or all fail) leaves the stream; 0 = never
+
+
+class GuideConfig(_Section):
+    """Guided prefixes (rollouts/guide.py): the first calls of every training rollout are answered
+    by the harness's teacher, up to the step where the policy takes over. Never trained on;
+    evaluation always runs unguided."""
+
+    until: str = ""  # a teacher step ("search", "read", "reproduce", "edit", "check"): the teacher answers every call before it; "" = off
+    shrink_every_steps: int = 0  # > 0: one guided call fewer every N learner steps, down to none (a hint curriculum); 0 = fixed
 
 
 class PoolsConfig(_Section):
@@ -193,6 +203,7 @@ class LearnerConfig(_Section):
     # sampled tokens exceeds this, naming the likely causes (learner/mismatch.py); 0 = off
     max_mismatch_kl: float = 0.01
     kl_coef: float = 0.0
+    track_kl: bool = False  # log the k3 KL to the starting policy every step (learner/kl) even at kl_coef 0: one more forward per micro-batch
     aggregation: Literal["per-rollout", "token-mean", "sequence-mean"] = "per-rollout"
     logprob_chunk_tokens: int = 1024  # logits are materialised this many tokens at a time
     gradient_checkpointing: bool = False
@@ -322,6 +333,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
+    guide: GuideConfig = GuideConfig()
     cluster: ClusterConfig = ClusterConfig()
 
 

@@ -39,6 +39,7 @@ from polar_fast.errors import ConfigError, PolarError
 from polar_fast.pools import Pools
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
+from polar_fast.rollouts.guide import Guide
 from polar_fast.rollouts.tasks import Task, has_splits, load_tasks, shared_tasks
 
 SHOWN_OVERLAPS = 5  # shared tasks named in the refusal; the rest are counted
@@ -77,6 +78,10 @@ class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
     harnesses: list[HarnessScore]
     provenance: dict
     duration_s: float
+    guided: str = ""  # guide.until when the rollouts were guided (validation only, as training sees it); "" = unguided
+
+
+GUIDED_SPLITS = ("validation",)  # the one split a guided eval may run on: held-out and transfer are always unguided
 
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:
@@ -121,11 +126,13 @@ def score_harness(harness: str, rollouts: Sequence[RolloutRecord], ks: Sequence[
 
 
 async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *, purpose: str = "eval",
-                         on_group: Callable[[list[RolloutRecord]], None] | None = None) -> list[RolloutRecord]:
+                         on_group: Callable[[list[RolloutRecord]], None] | None = None,
+                         guide: Guide | None = None) -> list[RolloutRecord]:
     """Run every task `samples` times on an open rollout stack (rollouts/stack.py); returns the
     rollout records, each written to the record log with `purpose` ("eval"; "demo" for the warm
     start's demonstrations). The groups' calls are dropped here (they are in the record log):
-    evaluation never feeds the learner."""
+    evaluation never feeds the learner. `guide`: each rollout's first calls answered as a
+    guided training rollout's are (run_eval allows it on validation only)."""
     out: list[RolloutRecord] = []
 
     async def done(group: GroupRecord) -> None:
@@ -136,7 +143,8 @@ async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *, purpo
             on_group(records)
 
     stamp = f"eval{int(time.time() * 1000) % 10**8}"
-    specs = [GroupSpec(task=t, group_id=f"{stamp}-{t.instance_id}", group_size=samples) for t in tasks]
+    specs = [GroupSpec(task=t, group_id=f"{stamp}-{t.instance_id}", group_size=samples,
+                       guide=guide.replies(t) if guide else []) for t in tasks]
     await Pools.for_rollouts(rollouts, group_size=samples).run(specs, done)
     return out
 
@@ -185,11 +193,14 @@ def heldout_tasks(cfg: Config, split: str, limit: int) -> list[Task]:
 async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int = 1, ks: Sequence[int] = (1,),
                    split: str | None = None, limit: int = 0, checkpoint: str = "", run_dir: Path | None = None,
                    engine_for: Callable[[Config], object] | None = None,
-                   emit: Callable[[str, dict], None] | None = None, purpose: str = "eval") -> EvalReport:
+                   emit: Callable[[str, dict], None] | None = None, purpose: str = "eval",
+                   guided: bool = False) -> EvalReport:
     """pass@k of the base model (or `checkpoint`) for each harness; see the module docstring.
     `engine_for(cfg)` replaces the configured engine (tests: a scripted one). `purpose` labels
     the rollout records: "eval" (held-out tasks, checked by heldout_tasks; never exported) or
-    "demo" (the warm start's teacher demonstrations, exported for sft; no held-out check)."""
+    "demo" (the warm start's teacher demonstrations, exported for sft; no held-out check).
+    `guided`: the rollouts are guided as the run's [guide] guides training (validation only:
+    held-out and transfer always run unguided)."""
     from polar_fast.cluster import rollout_side
     from polar_fast.rollouts.harnesses import get_harness
 
@@ -208,6 +219,9 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
     if max(ks) > samples:
         emit("info", {"message": f"pass@{max(ks)} needs >= {max(ks)} samples per task; --samples is {samples}"})
     split = split or cfg.eval.split
+    if guided and (split not in GUIDED_SPLITS or not cfg.guide.until):
+        raise EvalError(f"a guided eval runs on {' or '.join(GUIDED_SPLITS)} with guide.until set (split {split!r}, "
+                        f"guide.until {cfg.guide.until!r}): held-out and transfer tasks are always evaluated unguided")
     tasks = await asyncio.to_thread(heldout_tasks if purpose == "eval" else eval_tasks, cfg, split, limit)
     model_path = cfg.model.path
     if checkpoint:
@@ -222,13 +236,15 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
         hdir = run_dir / name
         await asyncio.to_thread(hdir.mkdir, parents=True, exist_ok=True)
         engine = engine_for(hcfg) if engine_for else None
+        guide = Guide.for_run(cfg.guide, name) if guided else None
         async with rollout_side(hcfg, hdir, emit=emit, engine=engine) as stack:  # here, or on a Ray cluster
-            records = await evaluate_tasks(stack, tasks, samples, purpose=purpose)
+            records = await evaluate_tasks(stack, tasks, samples, purpose=purpose, guide=guide)
         scores.append(score_harness(name, records, ks, [t.instance_id for t in tasks]))
     provenance = await asyncio.to_thread(collect_provenance, cfg, names)
     return EvalReport(split=split, samples=samples, ks=ks, sampling=msgspec.structs.asdict(cfg.sampling),
                       model=checkpoint or str(model_path) or cfg.model.name, harnesses=scores,
-                      provenance=provenance, duration_s=time.perf_counter() - started)
+                      provenance=provenance, duration_s=time.perf_counter() - started,
+                      guided=cfg.guide.until if guided else "")
 
 
 def checkpoint_model_dir(checkpoint: str, base_path: str) -> Path:
@@ -304,7 +320,8 @@ def _hash_files(paths: list[Path]) -> str:
 
 def format_report(report: EvalReport) -> str:
     s = report.sampling
-    lines = [f"eval: {report.split} split, {report.samples} samples per task, model {report.model}",
+    guided = f", guided up to the teacher's {report.guided!r} step" if report.guided else ""
+    lines = [f"eval: {report.split} split{guided}, {report.samples} samples per task, model {report.model}",
              f"sampling (the run's [sampling]): temperature {s['temperature']}, top_p {s['top_p']}, "
              f"max_tokens {s['max_tokens']}, seed {s['seed']}"]
     ks = report.ks

@@ -25,6 +25,9 @@ Choices:
 - Token rows: each kept rollout's calls are merged in "paths" layout; `loss_mask` is 1 on every
   token the policy sampled, in every path containing it, so each row stands alone (the merge's
   own mask counts a shared token once over all paths).
+- Guided rollouts (their first calls answered by a teacher, CallRecord.guided): the guided calls
+  are left out of the merge, so the teacher's tokens appear only as later prompts, at loss mask 0;
+  they give no chat rows, which would present the teacher's turns as the policy's.
 - Dedup: identical rows are written once (sha256 of messages + tools with tool-call ids
   renumbered, since the proxy draws fresh ids per call; of ids + mask for token rows). The first
   occurrence keeps its provenance.
@@ -97,17 +100,25 @@ def export_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
 
     chat_rows = _Dedup()
     token_rows = _Dedup()
+    guided = 0
     for rollout in kept.values():
-        for row in chat_rows_of(rollout, exchanges[rollout.rollout_id], calls[rollout.rollout_id]):
-            chat_rows.add(_chat_key(row), row)
-        for row in token_rows_of(rollout, calls[rollout.rollout_id], _model_of(exchanges[rollout.rollout_id])):
+        mine = calls[rollout.rollout_id]
+        sampled = [c for c in mine if not c.guided]
+        if len(sampled) < len(mine):  # its first turns are a teacher's: a chat row would train on them as the policy's
+            guided += 1
+        else:
+            for row in chat_rows_of(rollout, exchanges[rollout.rollout_id], mine):
+                chat_rows.add(_chat_key(row), row)
+        # guided calls are left out of the merge: their tokens appear only as later prompts, loss mask 0
+        for row in token_rows_of(rollout, sampled, _model_of(exchanges[rollout.rollout_id])):
             token_rows.add(_token_key(row), row)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write(out, "chat", chat_rows.rows, _chat_schema())
     _write(out, "tokens", token_rows.rows, _token_schema())
-    return _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete_calls, incomplete_exchanges)
+    return _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete_calls, incomplete_exchanges,
+                   guided)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -323,7 +334,8 @@ def _write(out: Path, stem: str, rows: list[dict], schema) -> None:
     tmp.replace(out / f"{stem}.parquet")
 
 
-def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete_calls, incomplete_exchanges) -> str:
+def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, incomplete_calls, incomplete_exchanges,
+            guided: int = 0) -> str:
     scored = len({r.rollout_id for r in contents.rollouts})
     lines = [
         f"{len(kept)} of {scored} rollouts kept (outcome ok, reward >= {min_reward:g})",
@@ -336,6 +348,9 @@ def _report(out, contents, kept, exchanges, chat_rows, token_rows, min_reward, i
     held_out = sum(1 for r in last.values() if r.purpose == EVAL)
     if held_out:
         lines.append(f"{held_out} evaluation rollouts (held-out tasks) left out: they are never exported")
+    if guided:
+        lines.append(f"{guided} kept rollouts were guided (their first calls answered by a teacher): token rows only, "
+                     "with the teacher's tokens at loss mask 0; no chat rows")
     missing = sum(1 for rid in kept if not exchanges.get(rid))
     if missing:
         lines.append(f"note: {missing} kept rollouts have no exchange records (logged before exchanges existed): "

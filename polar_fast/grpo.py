@@ -194,7 +194,7 @@ def build_step_batch(
     mbs, terms, advs, keys_r, keys_s = [], [], [], [], []
     n_seq = 0
     for group, adv in per_group:
-        group_calls = [c for r in group.rollouts if r.record.rollout_id in adv for c in r.calls]
+        group_calls = [c for r in group.rollouts if r.record.rollout_id in adv for c in r.sampled_calls]
         if not group_calls:
             continue
         for mb, rollout_ids in group_batches(group_calls, layout, max_tokens, merge_impl):
@@ -238,8 +238,10 @@ def nll_objective(logp: torch.Tensor) -> losses.PolicyLoss:
 
 
 # the float64 sums a micro-step returns: the aggregation-weighted loss parts, then the token sums
-# of the mismatch (learner/mismatch.py), which the step divides by its number of terms
-SUMS = ("loss", "pg", "kl", "clip", "ratio", "is_weight", "is_corrected", "mismatch_kl", "mismatch_abs", "out_of_clip")
+# of the mismatch (learner/mismatch.py) and of the policy's entropy, which the step divides by its
+# number of terms
+SUMS = ("loss", "pg", "kl", "clip", "ratio", "is_weight", "is_corrected", "mismatch_kl", "mismatch_abs", "out_of_clip",
+        "entropy")
 
 
 def _micro_step(learner: Learner, batch: StepBatch, i: int, scale: float, objective: Objective,
@@ -273,7 +275,9 @@ def _micro_step(learner: Learner, batch: StepBatch, i: int, scale: float, object
             k3, delta, outside = losses.mismatch_terms(logp, behaviour, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
             gap = torch.stack([k3.sum(), delta.sum(), outside.sum()]).cpu()
             top = delta.max().cpu()
-        return torch.cat([sums, gap]), top
+        entropy = learner.policy.entropy
+        ent = (entropy.double().sum() if scale and entropy is not None else torch.zeros((), dtype=torch.float64)).cpu()
+        return torch.cat([sums, gap, ent[None]]), top
 
 
 @torch.no_grad()
@@ -362,6 +366,7 @@ def _train_step(learner: Learner, batch: StepBatch, objective: Objective, gate: 
         time_s=time.perf_counter() - started, mismatch_kl=figures.kl, mismatch_abs_mean=figures.abs_mean,
         mismatch_abs_max=figures.abs_max, mismatch_out_of_clip=figures.out_of_clip,
         is_weight_mean=parts["is_weight"], is_corrected=parts["is_corrected"],
+        entropy=parts["entropy"] / max(n_terms, 1),
     )
 
 
@@ -382,7 +387,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     version: int  # policy version after this step
     loss: float  # the aggregated objective (pg + kl_coef * kl)
     pg_loss: float
-    kl: float  # aggregated k3 estimate (0 when kl_coef == 0)
+    kl: float  # aggregated k3 estimate of KL to the starting policy (0 unless kl_coef > 0 or track_kl)
     clip_frac: float  # weighted share of terms whose loss was clipped or capped
     ratio_mean: float  # weighted mean of the PPO ratio the clip saw (pi_old-based under tis/mask: 1)
     grad_norm: float
@@ -400,6 +405,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     mismatch_out_of_clip: float = 0.0  # share of tokens whose pi_learner / pi_behaviour is outside the clip band
     is_weight_mean: float = 1.0  # weighted mean importance weight on the policy term (learner.is_correction)
     is_corrected: float = 0.0  # weighted share of terms whose weight tis truncated or mask set to 0
+    entropy: float = 0.0  # the policy's mean entropy (nats, at the sampling temperature) where it sampled, before the update
 
 
 # ------------------------------------------------------------------------ weights, checkpoint
@@ -452,7 +458,7 @@ class Learner:
         on_meta = _prepare_model(model, cfg, layout=layout, device=self.device, world=self.world,
                                  merge_impl=merge_impl)
         self.ref = None
-        if cfg.kl_coef > 0:  # a frozen copy of the starting policy
+        if cfg.kl_coef > 0 or cfg.track_kl:  # a frozen copy of the starting policy
             self.ref = PackedLM(copy.deepcopy(model).eval().requires_grad_(False), temperature=temperature)
         self.policy = PackedLM(model, temperature=temperature)  # the run's sampling temperature
         if self.world > 1:

@@ -159,6 +159,7 @@ class _Job(msgspec.Struct, kw_only=True):
     group_size: int
     attempt: int = 0
     started_at: float = 0.0
+    guide: list[str] = []  # GroupSpec.guide: replies that answer its first calls
 
     @property
     def rollout_id(self) -> str:
@@ -321,7 +322,7 @@ class Pools:
             self._unfinished += 1
             self._boot_tx.send_nowait(_Job(task=item.task, group_id=item.group_id, index=index,
                                            group_size=item.group_size, attempt=item.first_attempt,
-                                           started_at=self.clock()))
+                                           started_at=self.clock(), guide=item.guide))
 
     def _maybe_close_boot(self) -> None:
         if self._producer_done and self._unfinished == 0:
@@ -415,7 +416,7 @@ class Pools:
             self._retries += 1
             self._boot_tx.send_nowait(_Job(task=job.task, group_id=job.group_id, index=job.index,
                                            group_size=job.group_size, attempt=job.attempt + 1,
-                                           started_at=job.started_at))
+                                           started_at=job.started_at, guide=job.guide))
         else:
             await done_tx.send(self._final(job, Outcome.INFRA_ERROR, reward=None, error=message, calls=calls))
 
@@ -473,8 +474,8 @@ class Pools:
         result = AgentResult(exit_code=-1, timed_out=True)
         try:
             with anyio.move_on_after(timeout_s + KILL_GRACE_S):
-                result = await self.agent.run(box, job.task, rollout_id=job.rollout_id,
-                                              group_id=job.group_id, timeout_s=timeout_s, calls=calls)
+                result = await self.agent.run(box, job.task, rollout_id=job.rollout_id, group_id=job.group_id,
+                                              timeout_s=timeout_s, calls=calls, guide=job.guide)
             if result.infra_error:  # e.g. the engine was down: not the agent's fault, retry it
                 return AgentInfraError(result.infra_error), result, ""
             if result.timed_out:

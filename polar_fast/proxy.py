@@ -95,12 +95,15 @@ class ProxyState:
     render_pool: ThreadPoolExecutor | None = None
 
     def new_session(self, rollout_id: str = "", group_id: str = "", *,
-                    format_error_markers: tuple[str, ...] = ()) -> Session:
+                    format_error_markers: tuple[str, ...] = (), guide: Sequence[str] = ()) -> Session:
+        """`guide`: texts that answer the session's first calls instead of the engine, each as a
+        model that stopped by itself would end it (the end-of-turn token)."""
         token = "pf-" + secrets.token_hex(16)
         session_id = secrets.token_hex(8)
         history = History(self.renderer, self.cfg.proxy.history, max_calls=self.cfg.proxy.history_max_calls)
+        guided = tuple(self.renderer.encode(text) + [self.renderer.eot_id] for text in guide)
         session = Session(token, session_id, rollout_id or session_id, group_id, history,
-                          format_error_markers=format_error_markers)
+                          format_error_markers=format_error_markers, guide=guided)
         self.sessions[token] = session
         return session
 
@@ -264,6 +267,7 @@ class _Answer:
     prompt: Prompt | None  # exact history's prompt (None when the engine rendered)
     engine_at: float  # perf_counter when the engine call began (engine render: when it ended)
     engine_s: float  # the engine call's seconds (engine render: counted as rendering)
+    guided: bool = False  # answered by the session's guide, not sampled by the policy
 
 
 async def _complete(request: web.Request, dialect: Dialect) -> web.StreamResponse:
@@ -305,17 +309,24 @@ async def _answer_from_tokens(state: ProxyState, session: Session, conv: Convers
         raise
     t1 = time.perf_counter()
     version = state.engine.policy_version
-    gen = await _engine_call(state, session, _generate(state.engine, prompt.ids, sampling, session.session_id))
+    guided = session.guided_reply()
+    if guided is not None:  # the guide answers: no engine call, and no policy sample to have a logprob (0s)
+        ids = guided[: sampling.max_tokens]
+        gen = Generation(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop" if ids == guided else "length")
+    else:
+        gen = await _engine_call(state, session, _generate(state.engine, prompt.ids, sampling, session.session_id))
     t2 = time.perf_counter()
     content, reasoning, calls = state.renderer.parse(gen.token_ids, conv.tools, lambda: _call_id(dialect))
-    session.count_reply_causes(conv, content, calls, gen.finish_reason)
+    if guided is None:  # a guided reply is the teacher's: its causes are not the policy's
+        session.count_reply_causes(conv, content, calls, gen.finish_reason)
     completion = Completion(
         content=content, reasoning=reasoning, tool_calls=calls,
         finish_reason="tool_calls" if calls else gen.finish_reason,
         prompt_tokens=len(prompt.ids), completion_tokens=len(gen.token_ids),
     )
     return _Answer(prompt.ids, gen, gen.policy_version if gen.policy_version is not None else version, completion,
-                   sampling.temperature, prompt.history, prompt, engine_at=t1, engine_s=t2 - t1)
+                   sampling.temperature, prompt.history, prompt, engine_at=t1, engine_s=t2 - t1,
+                   guided=guided is not None)
 
 
 async def _answer_from_engine_chat(state: ProxyState, session: Session, conv: Conversation,
@@ -431,6 +442,7 @@ def _call_record(session: Session, conv: Conversation, answer: _Answer, dialect:
         version_changes=answer.gen.version_changes,
         temperature=answer.temperature,
         harness_sampling=HarnessSampling(temperature=conv.temperature, top_p=conv.top_p, max_tokens=conv.max_tokens),
+        guided=answer.guided,
     )
 
 
@@ -552,8 +564,8 @@ class Proxy:
         return self.state.cfg.proxy.admin_key
 
     def new_session(self, rollout_id: str = "", group_id: str = "", *,
-                    format_error_markers: tuple[str, ...] = ()) -> Session:
-        return self.state.new_session(rollout_id, group_id, format_error_markers=format_error_markers)
+                    format_error_markers: tuple[str, ...] = (), guide: Sequence[str] = ()) -> Session:
+        return self.state.new_session(rollout_id, group_id, format_error_markers=format_error_markers, guide=guide)
 
     def close_session(self, token: str) -> Session | None:
         """End a session: its later requests get 401. Returns it, or None if it was not open."""

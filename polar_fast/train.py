@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 import anyio
 import msgspec
@@ -61,7 +59,9 @@ from polar_fast.pools import Pools
 from polar_fast.proxy import Proxy
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord, RunEndRecord
 from polar_fast.report.metrics import MetricsWriter
-from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
+from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
+from polar_fast.rollouts.guide import Guide
+from polar_fast.rollouts.stream import TrainingStream
 from polar_fast.rollouts.task_images import check_images
 from polar_fast.rollouts.tasks import Task, load_tasks
 from polar_fast.signals import StopSignal
@@ -88,17 +88,6 @@ class RunSummary:
     evals: list[dict] = field(default_factory=list)  # periodic evals: step, split, pass@k, mean reward
     causes: dict[str, dict[str, int]] = field(default_factory=dict)  # harness -> CALL_CAUSES, trained rollouts
     warm_start: dict = field(default_factory=dict)  # warm_start.py's report, when the run has one
-
-
-def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
-    """Endless epochs over the task list, each in a fresh seeded order."""
-    if not tasks:
-        raise RunError("the task source yielded no tasks")
-    rng = random.Random(seed)
-    for _ in itertools.count():
-        epoch = list(tasks)
-        rng.shuffle(epoch)
-        yield from epoch
 
 
 def _periodic_eval_tasks(cfg: Config) -> list[Task]:
@@ -196,6 +185,9 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     tc = cfg.tasks
     tasks = await asyncio.to_thread(load_tasks, tc.source, split=tc.split, limit=tc.limit, shuffle_seed=tc.shuffle_seed,
                                     image=tc.image, families=tc.families or None, per_family=tc.per_family)
+    if not tasks:
+        raise RunError("the task source yielded no tasks")
+    guide = Guide.for_run(cfg.guide, cfg.harness.name)  # a bad guide fails now, before anything starts
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
         await asyncio.to_thread(check_images, tasks + eval_tasks)
     emit("info", {"message": "loading the model for the learner"})
@@ -203,6 +195,8 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     learner = await asyncio.to_thread(lambda: distributed.lead(Learner.from_config(cfg)))
     if resume and await asyncio.to_thread(learner.resume, str(run_dir / "checkpoints")):
         emit("info", {"message": f"resumed at step {learner.step_count}, policy version {learner.version}"})
+    stream = TrainingStream(tasks, seed=cfg.run.seed + learner.step_count, group_size=cfg.pools.group_size,
+                            guide=guide, retire_after=cfg.tasks.retire_after, step=lambda: learner.step_count)
     metrics = await asyncio.to_thread(lambda: MetricsWriter(
         run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project,
         config=msgspec.to_builtins(cfg)))
@@ -220,12 +214,13 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                                            partial_group_after_s=cfg.run.partial_group_after_s)
                 loop = _Loop(rollouts.cfg, learner=learner, sync=sync, pools=pools, proxy=rollouts.proxy,
                              metrics=metrics, summary=summary, stop=stop.event, emit=emit, evaluator=evaluator,
-                             stopped_by=lambda: stop.signal, gate=first_step_gate(cfg, rollouts.engine))
+                             stopped_by=lambda: stop.signal, gate=first_step_gate(cfg, rollouts.engine),
+                             stream=stream)
                 pools.on_late = loop.on_late
                 try:
                     if cfg.eval.at_start and learner.step_count == 0:
                         await evaluator.run(0)
-                    await loop.run(task_stream(tasks, cfg.run.seed + learner.step_count))
+                    await loop.run(stream)
                     summary.checkpoint = await asyncio.to_thread(save_checkpoint, learner, cfg.run)
                 except Exception as e:
                     loop.failed(e)
@@ -281,17 +276,18 @@ class _Loop:
     def __init__(self, cfg: Config, *, learner: Learner | Leader, sync: WeightSync, pools: Pools, proxy: Proxy,
                  metrics: MetricsWriter, summary: RunSummary, stop: asyncio.Event, emit: Emit,
                  evaluator: _PeriodicEval | None = None, stopped_by: Callable[[], str] = lambda: "",
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, stream: TrainingStream | None = None) -> None:
         self.cfg, self.learner, self.sync, self.pools, self.proxy = cfg, learner, sync, pools, proxy
         self.metrics, self.summary, self.stop, self.emit, self.evaluator = metrics, summary, stop, emit, evaluator
         self.stopped_by = stopped_by  # the signal that asked for a stop
         self.gate = gate  # the mismatch gate, for the first step only
+        self.stream = stream  # told every group's rewards (difficulty filtering)
         self.ready: asyncio.Queue[GroupRecord] = asyncio.Queue(maxsize=max(cfg.run.groups_per_step, 1))
         self.end_reason = ""  # why the run ends, for the abandoned records and the run-end marker
         self.abandoned = 0
         self._logged: set[str] = set()  # rollouts whose end record is in the log
 
-    async def run(self, tasks: Iterator[Task]) -> None:
+    async def run(self, tasks: Iterable[Task | GroupSpec]) -> None:
         try:
             await self._rollouts_and_learner(tasks)
         finally:
@@ -300,7 +296,7 @@ class _Loop:
         if self._evaluates(self.learner.step_count, final=True) and not self.summary.stopped_early:
             await self.evaluator.run(self.learner.step_count)
 
-    async def _rollouts_and_learner(self, tasks: Iterator[Task]) -> None:
+    async def _rollouts_and_learner(self, tasks: Iterable[Task | GroupSpec]) -> None:
         """Until the last step or a stop; sets end_reason on every way out. One of our errors
         (the gate's MismatchError, a checkpoint that cannot be written) leaves as itself, not in
         a group."""
@@ -404,6 +400,8 @@ class _Loop:
                 if group is None:
                     self.summary.stopped_early = True
                     return
+                if self.stream is not None:
+                    self.stream.observe(group)
                 oldest = group.oldest_version
                 if oldest is not None and self.learner.version - oldest > cfg.max_staleness:
                     withheld.append(group.group_id)  # its calls stay in records.log; it just does not train

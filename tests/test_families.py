@@ -11,6 +11,7 @@ from polar_fast.config import SandboxConfig
 from polar_fast.rollouts.families import (
     DEMO_SEED_BASE,
     FAMILIES,
+    HELDOUT_LARGE_SEEDS,
     HELDOUT_SEEDS,
     TRANSFER_FAMILIES,
     TRANSFER_SEEDS,
@@ -18,6 +19,7 @@ from polar_fast.rollouts.families import (
     family_task,
     family_tasks,
     heldout_digest,
+    heldout_large_digest,
 )
 from polar_fast.rollouts.reward import evaluate, score
 from polar_fast.rollouts.sandboxes import SandboxSpec, make_sandbox_factory
@@ -28,10 +30,13 @@ ALL = (*FAMILIES, *TRANSFER_FAMILIES)
 # Frozen when the held-out and transfer splits were made, before any tuning: a change to the
 # generators that moves one of their tasks must fail here. Never update this to fit a result.
 HELDOUT_DIGEST = "b409f3b046cb67b50adb48be74ffbff2b07ce9a1603579ba8afb4da9f1df9c25"
+# Frozen when heldout_large was made (issue 35), before any policy was evaluated on it.
+HELDOUT_LARGE_DIGEST = "246b4ce8d37dace9afe690bde626ec0f63d7223a8c9415153ea4eb3607f14244"
 
 
 def test_the_heldout_and_transfer_splits_are_frozen():
     assert heldout_digest() == HELDOUT_DIGEST
+    assert heldout_large_digest() == HELDOUT_LARGE_DIGEST
 
 
 def test_a_seed_always_gives_the_same_task_and_seeds_differ(tmp_path):
@@ -45,7 +50,7 @@ def test_no_heldout_or_transfer_statement_equals_a_train_demo_or_validation_one(
     """Over far more seeds than any run uses: the eval side's vocabulary is disjoint by construction."""
     seen = {t.problem_statement for split, n in (("train", 256), ("demos", 256), ("validation", 0))
             for t in family_tasks(split, per_family=n)}
-    for split in ("heldout", "transfer"):
+    for split in ("heldout", "heldout_large", "transfer"):
         for task in family_tasks(split):
             assert task.problem_statement not in seen, (split, task.instance_id)
     validation = {t.problem_statement for t in family_tasks("validation")}
@@ -55,15 +60,17 @@ def test_no_heldout_or_transfer_statement_equals_a_train_demo_or_validation_one(
 def test_splits_are_disjoint_and_interleave_families():
     train = family_tasks("train", per_family=5)
     heldout, transfer, validation = family_tasks("heldout"), family_tasks("transfer"), family_tasks("validation")
+    large = family_tasks("heldout_large")
     demos = family_tasks("demos", per_family=5)
     assert len(train) == 5 * len(FAMILIES) and len(heldout) == len(HELDOUT_SEEDS) * len(FAMILIES)
+    assert len(large) == len(HELDOUT_LARGE_SEEDS) * len(FAMILIES) >= 40
     assert len(transfer) == len(TRANSFER_SEEDS) * len(TRANSFER_FAMILIES)
     assert len(validation) == len(VALIDATION_SEEDS) * len(FAMILIES) and len(demos) == len(train)
-    ids = [{t.instance_id for t in split} for split in (train, heldout, demos, transfer, validation)]
+    ids = [{t.instance_id for t in split} for split in (train, heldout, large, demos, transfer, validation)]
     assert sum(map(len, ids)) == len(set().union(*ids))
     assert [t.repo for t in train[: len(FAMILIES)]] == [f"polar-families/{f}" for f in FAMILIES]
     assert {t.repo for t in transfer} == {f"polar-families/{f}" for f in TRANSFER_FAMILIES}
-    assert not {t.repo for t in [*train, *demos, *validation, *heldout]} & {t.repo for t in transfer}
+    assert not {t.repo for t in [*train, *demos, *validation, *heldout, *large]} & {t.repo for t in transfer}
     assert [t.instance_id for t in load_tasks("families", split="train", per_family=5, families=["rename"])] == [
         f"family__rename-{s}" for s in range(5)]
     assert demos[0].instance_id == f"family__{FAMILIES[0]}-{DEMO_SEED_BASE}"

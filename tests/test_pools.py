@@ -180,7 +180,7 @@ async def test_a_stop_abandons_what_is_in_flight_with_its_calls(local):
                           dialect="chat")
 
     class OneHangs(CommandAgent):
-        async def run(self, box, task, *, rollout_id, group_id, timeout_s, calls):
+        async def run(self, box, task, *, rollout_id, group_id, timeout_s, calls, guide=()):
             if rollout_id.endswith("-r0"):
                 return AgentResult(exit_code=0)
             try:

@@ -42,6 +42,13 @@ class Session:
     requests: dict[str, int] = field(default_factory=dict)
     # per dialect: decodes only what a request adds to the conversation it resends
     parsers: dict[str, IncrementalParser] = field(default_factory=dict)
+    # token ids (end-of-turn included) of the replies that answer this session's first calls
+    # instead of the engine: a guided rollout's teacher turns (rollouts/guide.py)
+    guide: tuple[list[int], ...] = ()
+
+    def guided_reply(self) -> list[int] | None:
+        """The guide's reply for the call being answered now, or None once the policy answers."""
+        return self.guide[self.n_calls] if self.n_calls < len(self.guide) else None
 
     def parse(self, dialect: Dialect, body: bytes) -> Conversation:
         parser = self.parsers.get(dialect.NAME)

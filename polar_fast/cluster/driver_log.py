@@ -77,7 +77,7 @@ class DriverLog:
     async def ensure_group(self, group: GroupRecord) -> None:
         """Write the group's calls the streams have not brought (whole prompts, as the group
         record holds them)."""
-        missing = [c for c in group.calls if (c.session_id, c.call_index) not in self.calls]
+        missing = [c for c in group.recorded_calls if (c.session_id, c.call_index) not in self.calls]
         if missing:
             await self.record(*missing)
             for c in missing:

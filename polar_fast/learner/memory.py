@@ -43,7 +43,7 @@ FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
 STEP_BYTES = 4  # fused AdamW's per-parameter float32 step tensor
 PREFETCHED_LAYERS = 2  # FSDP2: the layer computing and the one being gathered
-LOGIT_COPIES_FP32 = 3  # a chunk's logits as float32, cross-entropy's log-softmax, their gradient
+LOGIT_COPIES_FP32 = 4  # a chunk's logits as float32, cross-entropy's log-softmax, their gradient, the entropy's softmax
 
 
 class MemoryEstimate(msgspec.Struct, frozen=True, kw_only=True):

@@ -150,6 +150,9 @@ class PackedLM(nn.Module):
         self.recurrent = packed_recurrence.install(lm)  # Gated DeltaNet layers: segment by segment
         # the sampling temperature: logprobs under the distribution the engine sampled from
         self.temperature = temperature if temperature > 0 else 1.0
+        # (N,) the policy's entropy at each term's position, from the last forward (detached):
+        # how sure the policy is where it sampled, a metric only (grpo: learner/entropy)
+        self.entropy: torch.Tensor | None = None
 
     def forward(
         self,
@@ -188,16 +191,26 @@ class PackedLM(nn.Module):
             else:
                 parts.append(self._chunk_logprobs(head, h, t))
         if not parts:
+            self.entropy = hidden.new_zeros(0, dtype=torch.float32)
             return hidden.new_zeros(0, dtype=torch.float32) + hidden.sum().float() * 0
-        return torch.cat(parts)
+        both = torch.cat(parts, 1)  # (2, N)
+        self.entropy = both[1]
+        return both[0]
 
     def _chunk_logprobs(self, head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """(2, chunk): the logprobs of the targets, and (detached) the entropy of each row's
+        distribution. One tensor, so that activation checkpointing recomputes both alike."""
         logits = head(h).float()  # (chunk, V): the only place logits exist
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return -F.cross_entropy(logits, t, reduction="none")  # log_softmax(logits)[t], one fused kernel
+        logp = -F.cross_entropy(logits, t, reduction="none")  # log_softmax(logits)[t], one fused kernel
+        with torch.no_grad():  # H = logsumexp(z) - sum(p z); one more (chunk, V) copy: p
+            p = torch.softmax(logits, -1)
+            lse = logits.gather(1, t[:, None])[:, 0] - logp.detach()
+            entropy = lse - torch.einsum("nv,nv->n", p, logits)
+        return torch.stack([logp, entropy])
 
 
 def batch_tensors(batch: Any, terms: Terms, device: torch.device | str) -> dict[str, torch.Tensor]:

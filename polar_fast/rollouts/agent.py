@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import anyio
 import msgspec
@@ -58,9 +58,10 @@ class AgentRunner(Protocol):
     def spec(self, task: Task, rollout_id: str) -> SandboxSpec: ...
 
     async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float,
-                  calls: list[CallRecord]) -> AgentResult:
+                  calls: list[CallRecord], guide: Sequence[str] = ()) -> AgentResult:
         """Run the agent on `task` in `box`; append the model calls it made to `calls` (the list
-        outlives a run the pools cancel at their hard timeout)."""
+        outlives a run the pools cancel at their hard timeout). `guide`: replies that answer
+        its first model calls instead of the policy (GroupSpec.guide)."""
         ...
 
 
@@ -75,7 +76,7 @@ class CommandAgent:
         return SandboxSpec(name=rollout_id, image=task.image)
 
     async def run(self, box: Any, task: Task, *, rollout_id: str, group_id: str, timeout_s: float,
-                  calls: list[CallRecord]) -> AgentResult:
+                  calls: list[CallRecord], guide: Sequence[str] = ()) -> AgentResult:
         script = self.script(task) if callable(self.script) else self.script
         env = {"POLAR_ROLLOUT_ID": rollout_id, "POLAR_GROUP_ID": group_id}
         done = await box.exec(["sh", "-c", script], env=env, cwd=box.workdir, timeout_s=timeout_s)
@@ -103,8 +104,8 @@ class HarnessAgent:
         return SandboxSpec(name=rollout_id, image=task.image, mounts=[self.mount], proxy_port=port)
 
     async def run(self, box, task: Task, *, rollout_id: str, group_id: str, timeout_s: float,
-                  calls: list[CallRecord]) -> AgentResult:
-        session = self.proxy.new_session(rollout_id, group_id,
+                  calls: list[CallRecord], guide: Sequence[str] = ()) -> AgentResult:
+        session = self.proxy.new_session(rollout_id, group_id, guide=tuple(guide),
                                          format_error_markers=getattr(self.harness, "format_error_markers", ()))
         try:
             cmd = self.harness.command(

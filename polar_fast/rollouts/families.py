@@ -24,12 +24,13 @@ Splits, by seed:
 - "train": seeds 0..per_family-1; "demos" (warm-start teacher demonstrations, warm_start.py):
   seeds from DEMO_SEED_BASE. Both draw names and numbers from the train side's vocabulary.
 - "validation": VALIDATION_SEEDS, its own vocabulary: everything tuned is tuned on it.
-- "heldout": HELDOUT_SEEDS of the trainable families, "transfer": TRANSFER_SEEDS of the two
-  families that never train (TRANSFER_FAMILIES); both from the eval side's vocabulary.
+- "heldout": HELDOUT_SEEDS of the trainable families, "heldout_large": HELDOUT_LARGE_SEEDS of
+  the same (a larger frozen split, for measuring a change), "transfer": TRANSFER_SEEDS of the
+  two families that never train (TRANSFER_FAMILIES); all from the eval side's vocabulary.
 The vocabularies are disjoint, so no held-out or transfer statement equals a train, demo or
 validation statement (tests/test_families.py checks it over wide seed ranges). The held-out and
-transfer tasks are frozen: tests/test_families.py pins their digest, so no change made while
-tuning a run can move them.
+transfer tasks are frozen, and so is heldout_large: tests/test_families.py pins their digests,
+so no change made while tuning a run can move them.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ from polar_fast.rollouts.task_rows import Task, TaskError, parse_task, snapshot_
 
 FAMILIES = tuple(k for k in KINDS if k not in TRANSFER_KINDS)  # the ones a run may train on
 TRANSFER_FAMILIES = TRANSFER_KINDS
-SPLITS = ("train", "demos", "validation", "heldout", "transfer")
+SPLITS = ("train", "demos", "validation", "heldout", "heldout_large", "transfer")
 DEMO_SEED_BASE = 500_000
-VALIDATION_SEEDS = range(700_000, 700_004)  # per family
+VALIDATION_SEEDS = range(700_000, 700_024)  # per family: where every setting is tuned (24 x 7 = 168 tasks)
 HELDOUT_SEEDS = range(1_000_000, 1_000_004)  # per family: 4 x 7 families = 28 held-out tasks
+# per family: 48 x 7 = 336 held-out tasks, enough to measure a change in pass@1 (bench/learning_bench.py).
+# Made, and pinned (heldout_large_digest), before any result was seen on it.
+HELDOUT_LARGE_SEEDS = range(1_000_100, 1_000_148)
 TRANSFER_SEEDS = range(1_100_000, 1_100_008)  # per transfer family: 8 x 2 = 16 tasks
 TEST_COMMAND = "python3 -m unittest -v"
 
@@ -113,7 +117,8 @@ def split_families(split: str, families: list[str] | None = None) -> tuple[str, 
 
 def split_seeds(split: str, per_family: int) -> range:
     return {"train": range(per_family), "demos": range(DEMO_SEED_BASE, DEMO_SEED_BASE + per_family),
-            "validation": VALIDATION_SEEDS, "heldout": HELDOUT_SEEDS, "transfer": TRANSFER_SEEDS}[split]
+            "validation": VALIDATION_SEEDS, "heldout": HELDOUT_SEEDS, "heldout_large": HELDOUT_LARGE_SEEDS,
+            "transfer": TRANSFER_SEEDS}[split]
 
 
 def family_tasks(split: str, *, families: list[str] | None = None, per_family: int = 16,
@@ -125,8 +130,18 @@ def family_tasks(split: str, *, families: list[str] | None = None, per_family: i
 
 def heldout_digest() -> str:
     """sha256 over every held-out and transfer task's statement, patches and tests (tests pin it)."""
+    return _digest([*family_tasks("heldout"), *family_tasks("transfer")])
+
+
+def heldout_large_digest() -> str:
+    """sha256 over every heldout_large task, the same fields (tests pin it apart: the older
+    held-out digest must not move)."""
+    return _digest(family_tasks("heldout_large"))
+
+
+def _digest(tasks: list[Task]) -> str:
     h = hashlib.sha256()
-    for task in [*family_tasks("heldout"), *family_tasks("transfer")]:
+    for task in tasks:
         fields = [task.instance_id, task.problem_statement, task.patch, task.test_patch, task.base_commit,
                   *task.FAIL_TO_PASS, "|", *task.PASS_TO_PASS]
         h.update(json.dumps(fields).encode())

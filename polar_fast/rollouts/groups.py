@@ -9,7 +9,9 @@ each group's calls and spreads each rollout's advantage over them (grpo.build_st
 rollout service encodes it as a batch (service.py).
 
 Only the final attempt of a rollout is in the record: calls captured during an attempt that hit an
-infra error and was retried stay in the record log, never in the group.
+infra error and was retried stay in the record log, never in the group. A guided rollout's first
+calls were answered by its guide, not the policy (CallRecord.guided): they travel with it, but
+`GroupRecord.calls` leaves them out, so nothing downstream trains on or counts them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the attempt its rollouts start at: a group a dead rollout node left is run again elsewhere as
     # its next attempt (cluster/driver.py), so retried rollout ids never repeat the lost ones
     first_attempt: int = 0
+    # the replies that answer each rollout's first calls instead of the policy (rollouts/guide.py:
+    # a teacher's, up to the step where the policy takes over); [] = the policy answers every call
+    guide: list[str] = []
 
 
 async def group_specs(items: Iterable[Task | GroupSpec] | AsyncIterable[Task | GroupSpec],
@@ -63,6 +68,11 @@ class FinishedRollout(msgspec.Struct, frozen=True, kw_only=True):
     diff: str = ""  # the agent's diff (rollouts that were scored)
     eval: EvalResult | None = None  # per-test results (rollouts that were scored)
 
+    @property
+    def sampled_calls(self) -> list[CallRecord]:
+        """The calls the policy sampled: every call but the guided ones (CallRecord.guided)."""
+        return [c for c in self.calls if not c.guided]
+
 
 class GroupRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A finished group: see the module docstring."""
@@ -79,10 +89,17 @@ class GroupRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def calls(self) -> list[CallRecord]:
-        """Every call of the group, rollout by rollout, each rollout's in capture order."""
+        """Every call the policy sampled, rollout by rollout, each rollout's in capture order:
+        what the learner, staleness and the run's counts see. Guided calls (answered by a
+        teacher) are left out here, the one place they are filtered."""
+        return [c for r in self.rollouts for c in r.sampled_calls]
+
+    @property
+    def recorded_calls(self) -> list[CallRecord]:
+        """Every call of the group, guided ones too: what the record log must hold."""
         return [c for r in self.rollouts for c in r.calls]
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest policy version any of its calls was sampled under (None: no calls)."""
-        return min((c.policy_version for r in self.rollouts for c in r.calls), default=None)
+        """The oldest policy version any of its sampled calls was sampled under (None: none)."""
+        return min((c.policy_version for c in self.calls), default=None)

@@ -9,6 +9,10 @@ phrasings), drawn from a generator seeded by the task, so the student learns a w
 rather than one command line, and copies its edit from the file it read.
 
     replies = teacher_for("pi").replies(task)   # list[str], one per model call
+    steps = teacher_for("pi").steps(task)       # [(step, reply)]: "search", "read", ..., "edit", ...
+
+A teacher's steps are named, so a rollout can be guided up to one of them (guide.py: the teacher
+answers the calls before it, and the policy takes over there).
 """
 
 from __future__ import annotations
@@ -24,8 +28,16 @@ class TeacherError(PolarError):
     """No teacher for this harness, or a task a teacher cannot demonstrate."""
 
 
+STEPS = ("search", "read", "reproduce", "edit", "check", "submit", "finish")  # a plan's steps, in order
+
+
 class Teacher(Protocol):
     harness: str
+
+    def steps(self, task: Task) -> list[tuple[str, str]]:
+        """(step, reply) per model call, in order, that solve `task` in this harness; steps are
+        STEPS names (a step may span several replies, e.g. one edit per file)."""
+        ...
 
     def replies(self, task: Task) -> list[str]:
         """The model's replies, in order, that solve `task` in this harness."""

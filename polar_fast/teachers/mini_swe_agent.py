@@ -24,11 +24,11 @@ def bash_call(command: str) -> str:
 class MiniSweAgentTeacher:
     harness = "mini-swe-agent"
 
-    def replies(self, task: Task) -> list[str]:
+    def steps(self, task: Task) -> list[tuple[str, str]]:
         plan, rng = fix_plan(task), rng_for(task, self.harness)
 
-        def say(step: str, command: str) -> str:
-            return f"{moves.thought(step, plan, rng)}\n\n{bash_call(command)}"
+        def say(step: str, command: str) -> tuple[str, str]:
+            return step, f"{moves.thought(step, plan, rng)}\n\n{bash_call(command)}"
 
         out = [say("search", moves.search_command(plan)), say("read", moves.read_command(plan))]
         if plan.call:
@@ -37,3 +37,6 @@ class MiniSweAgentTeacher:
         out.append(say("check", moves.check_command(plan, task.test_command)))
         out.append(say("submit", SUBMIT))
         return out
+
+    def replies(self, task: Task) -> list[str]:
+        return [reply for _, reply in self.steps(task)]

@@ -12,11 +12,11 @@ from polar_fast.teachers.plan import fix_plan
 class PiTeacher:
     harness = "pi"
 
-    def replies(self, task: Task) -> list[str]:
+    def steps(self, task: Task) -> list[tuple[str, str]]:
         plan, rng = fix_plan(task), rng_for(task, self.harness)
 
-        def say(step: str, name: str, arguments: dict) -> str:
-            return f"{moves.thought(step, plan, rng)}\n{tool_call(name, arguments)}"
+        def say(step: str, name: str, arguments: dict) -> tuple[str, str]:
+            return step, f"{moves.thought(step, plan, rng)}\n{tool_call(name, arguments)}"
 
         out = [say("search", "bash", {"command": moves.search_command(plan)}),
                say("read", "read", {"path": plan.path})]
@@ -28,8 +28,11 @@ class PiTeacher:
         first = True
         for path, edits in by_path.items():
             arguments = {"path": path, "edits": edits}
-            out.append(say("edit", "edit", arguments) if first else tool_call("edit", arguments))
+            out.append(say("edit", "edit", arguments) if first else ("edit", tool_call("edit", arguments)))
             first = False
         out.append(say("check", "bash", {"command": moves.check_command(plan, task.test_command)}))
-        out.append(moves.thought("finish", plan, rng))
+        out.append(("finish", moves.thought("finish", plan, rng)))
         return out
+
+    def replies(self, task: Task) -> list[str]:
+        return [reply for _, reply in self.steps(task)]

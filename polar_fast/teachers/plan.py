@@ -8,12 +8,16 @@ works for any task with a small reference patch (the generated families, the bui
   context line before it as its anchor), checked to occur exactly once in the file;
 - symbol: the first name called or quoted in the statement that the patched file defines or
   mentions, else the name of the function the hunk sits in;
-- call: the statement's first backticked expression that starts with the symbol (printed before
-  and after the edit to show the bug and the fix), when the symbol can be imported.
+- call: the statement's first backticked expression that calls the symbol with literal
+  arguments, or names the constant (printed before and after the edit to show the bug and the
+  fix), when the symbol can be imported. A call with names for arguments (`total(a, b)`, a
+  signature, not a call) is never taken: printing it raises NameError before and after the
+  edit, and a demonstration would then teach the student to call a failing check a success.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +120,22 @@ def _call(statement: str, symbol: str, source: str) -> str:
     defines = re.search(rf"^def {re.escape(symbol)}\(", source, re.M)
     assigns = re.search(rf"^{re.escape(symbol)} =", source, re.M)
     for snippet in re.findall(r"`([^`]+)`", statement):
-        if (defines and snippet.startswith(f"{symbol}(")) or (assigns and snippet == symbol):
+        if (defines and snippet.startswith(f"{symbol}(") and _literal_call(snippet)) or (assigns and snippet == symbol):
             return snippet
     return ""
+
+
+def _literal_call(snippet: str) -> bool:
+    """`f(1, 'x', [2, 3])`: a call whose every argument is a literal, so it runs as written."""
+    try:
+        node = ast.parse(snippet, mode="eval").body
+    except SyntaxError:
+        return False
+    if not isinstance(node, ast.Call):
+        return False
+    try:
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            ast.literal_eval(arg)
+    except ValueError:
+        return False
+    return True

@@ -54,7 +54,7 @@ def call_table(calls: Sequence[CallRecord]) -> tuple[list[dict[str, Any]], list[
             "cause": cause, "break": BREAKS.get(cause, ""), "depth": length - added,
             "prompt_tokens": len(call.prompt_ids), "sampled_tokens": len(call.completion_ids),
             "policy_version": call.policy_version, "finish_reason": call.finish_reason,
-            "history": call.history, "dialect": call.dialect,
+            "history": call.history, "dialect": call.dialect, "guided": call.guided,
         })
         node_counts.append(after.n_nodes)
         before = after
@@ -86,13 +86,16 @@ def token_view(calls: Sequence[CallRecord], *, layout: str, tokenizer) -> dict[s
         r["positions"] = marks.get(r["call"], [])
     extras = np.bincount(merged.extra_index, minlength=len(merged)) if len(merged.extra_index) else None
     mask = merged.loss_mask.astype(bool)
+    guided = [k for k, c in enumerate(calls) if c.guided]
+    if guided:  # a teacher's reply (CallRecord.guided) is never trained: shown at mask 0, as the learner sees it
+        mask &= ~np.isin(np.asarray(creator), guided)
     return {
         "layout": layout,
         "tokens": len(merged),
         "offsets": merged.offsets.tolist(),
         "ids": merged.tokens.tolist(),
         "text": token_texts(tokenizer, merged.tokens),
-        "mask": merged.loss_mask.tolist(),
+        "mask": mask.astype(np.int8).tolist(),
         "logprob": [round(x, 4) if m else None for x, m in zip(merged.logprobs.tolist(), mask.tolist())],
         "version": merged.versions.tolist(),
         "call": creator,
