@@ -142,6 +142,8 @@ async def evaluate_tasks(rollouts, tasks: Sequence[Task], samples: int, *, purpo
         if on_group:
             on_group(records)
 
+    if guide is not None:
+        await asyncio.to_thread(guide.prepare, list(tasks))
     stamp = f"eval{int(time.time() * 1000) % 10**8}"
     specs = [GroupSpec(task=t, group_id=f"{stamp}-{t.instance_id}", group_size=samples,
                        guide=guide.replies(t) if guide else []) for t in tasks]

@@ -188,6 +188,8 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
     if not tasks:
         raise RunError("the task source yielded no tasks")
     guide = Guide.for_run(cfg.guide, cfg.harness.name)  # a bad guide fails now, before anything starts
+    if guide is not None:
+        await asyncio.to_thread(guide.prepare, tasks)
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout
         await asyncio.to_thread(check_images, tasks + eval_tasks)
     emit("info", {"message": "loading the model for the learner"})
@@ -446,6 +448,10 @@ class _Loop:
             "staleness": {"max": max((self.learner.version - 1 - (g.oldest_version or 0) for g in groups), default=0),
                           "withheld_groups": withheld},
             "step_time_s": time.perf_counter() - started,
+            # calls a guide answered (never trained) per trained rollout, and tasks retired from the stream
+            "guide": {"calls_per_rollout": sum(len(r.calls) - len(r.sampled_calls) for g in groups for r in g.rollouts)
+                      / max(len(rollouts), 1)},
+            "tasks": {"retired": len(self.stream.retired) if self.stream is not None else 0},
         }
         for harness, counts in values["causes"].items():
             total = self.summary.causes.setdefault(harness, dict.fromkeys(CALL_CAUSES, 0))
@@ -488,6 +494,7 @@ def _reward_stats(groups: Sequence[GroupRecord]) -> dict[str, float]:
         "std": statistics.pstdev(scored) if len(scored) > 1 else 0.0,
         "group_std_mean": statistics.fmean(per_group_std) if per_group_std else 0.0,
         "zero_variance_groups": sum(1 for s in per_group_std if s == 0.0),
+        "groups": len(per_group_std),  # groups with two or more scored rollouts (those the line above counts over)
     }
 
 
@@ -525,7 +532,9 @@ class _PeriodicEval:
                      "duration_s": time.perf_counter() - started}}
         await self.metrics.write(step, values)
         entry = {"step": step, "split": ec.split, "tasks": score.tasks, "samples": ec.samples,
-                 "pass_at": score.pass_at, "mean_reward": score.mean_reward, "causes": score.causes}
+                 "pass_at": score.pass_at, "mean_reward": score.mean_reward, "causes": score.causes,
+                 # each task's pass@1 (share of its scored samples that passed): the summary's paired interval
+                 "per_task": {t.task_id: t.passed / t.scored for t in score.per_task if t.scored}}
         self.summary.evals.append(entry)
         self.emit("eval", entry)
 

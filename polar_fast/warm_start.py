@@ -40,13 +40,19 @@ class WarmStartError(PolarError):
     """The warm start cannot be built (no teacher script for the harness, demonstrations failed)."""
 
 
-def demo_tasks(cfg: Config):
+def demo_tasks(cfg: Config, *, skip: int = 0, per_family: int | None = None):
+    """The demos split's tasks a warm start demonstrates (`warm_start.demos` per family), or
+    `per_family` more after the first `skip` per family (more demonstrations, e.g. the learning
+    bench's SFT control, which must not repeat the warm start's)."""
     from polar_fast.rollouts.tasks import load_tasks
 
     if cfg.tasks.source != "families":
         raise WarmStartError(f"warm_start needs tasks.source = \"families\" (its teacher demonstrates their "
                              f"demos split); tasks.source is {cfg.tasks.source!r}")
-    return load_tasks("families", split="demos", families=cfg.tasks.families or None, per_family=cfg.warm_start.demos)
+    n = cfg.warm_start.demos if per_family is None else per_family
+    tasks = load_tasks("families", split="demos", families=cfg.tasks.families or None, per_family=skip + n)
+    families = len({t.repo for t in tasks}) or 1
+    return tasks[skip * families:]  # interleaved by seed: the first `skip` seeds of every family come first
 
 
 def demonstrations(cfg: Config, tasks) -> dict[str, list[list[str]]]:
@@ -127,27 +133,40 @@ def _publish(work: Path, root: Path, report: dict) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-async def _build(cfg: Config, tasks, plays: dict[str, list[list[str]]], work: Path, emit) -> dict:
+async def record_demonstrations(cfg: Config, tasks, work: Path, emit=None) -> tuple[int, str]:
+    """Each task's teacher demonstration typed through the real harness, proxy and sandbox by
+    a scripted policy (PlaybookEngine), those whose tests pass exported as token rows under
+    `work/sft_data`. Returns (demonstrations kept, export's report)."""
     from polar_fast.engines.scripted import PlaybookEngine
-    from polar_fast.evaluate import run_eval
+    from polar_fast.evaluate import evaluate_tasks
+    from polar_fast.cluster import rollout_side
     from polar_fast.export import export_run
+    from polar_fast.model import load_tokenizer
+
+    emit = emit or (lambda kind, data: None)
+    plays = await asyncio.to_thread(demonstrations, cfg, tasks)
+    await asyncio.to_thread(check_lengths, cfg, plays)
+    tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
+    run_dir = work / "demos" / cfg.harness.name
+    await asyncio.to_thread(run_dir.mkdir, parents=True, exist_ok=True)
+    async with rollout_side(cfg, run_dir, emit=emit, engine=PlaybookEngine(plays, tok)) as stack:
+        records = await evaluate_tasks(stack, tasks, 1, purpose="demo")
+    kept = sum(1 for r in records if r.reward is not None and r.reward >= 1.0)
+    if kept == 0:
+        raise WarmStartError(f"warm start: none of the {len(tasks)} teacher demonstrations passed its tests; "
+                             f"the records are in {run_dir}")
+    exported = await asyncio.to_thread(export_run, run_dir, work / "sft_data", min_reward=1.0)
+    return kept, exported
+
+
+async def _build(cfg: Config, tasks, plays: dict[str, list[list[str]]], work: Path, emit) -> dict:
     from polar_fast.grpo import Learner
     from polar_fast.learner.sft import run_sft
-    from polar_fast.model import load_tokenizer
 
     ws = cfg.warm_start
     emit("info", {"message": f"warm start: {len(tasks)} teacher demonstrations through {cfg.harness.name} "
                              f"(built once, then cached)"})
-    tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
-    demo_cfg = msgspec.structs.replace(cfg, tasks=msgspec.structs.replace(cfg.tasks, per_family=ws.demos))
-    demos = await run_eval(demo_cfg, split="demos", samples=1, ks=[1], run_dir=work / "demos", purpose="demo",
-                           engine_for=lambda c: PlaybookEngine(plays, tok), emit=emit)
-    [scored] = demos.harnesses
-    kept = sum(t.passed for t in scored.per_task)
-    if kept == 0:
-        raise WarmStartError(f"warm start: none of the {len(tasks)} teacher demonstrations passed its tests; "
-                             f"the records are in {work / 'demos'}")
-    exported = await asyncio.to_thread(export_run, work / "demos" / cfg.harness.name, work / "sft_data", min_reward=1.0)
+    kept, exported = await record_demonstrations(cfg, tasks, work, emit)
     emit("info", {"message": f"warm start: {kept}/{len(tasks)} demonstrations passed; {exported}"})
     sft_cfg = msgspec.structs.replace(cfg, sft=msgspec.structs.replace(cfg.sft, rows_per_step=ws.rows_per_step))
     sft = await asyncio.to_thread(run_sft, sft_cfg, work / "sft_data", Learner.from_config, out_dir=work / "model",

@@ -45,6 +45,20 @@ class Guide:
 
     def __init__(self, cfg: GuideConfig, teacher: Teacher) -> None:
         self.cfg, self.teacher = cfg, teacher
+        self._steps: dict[str, list[tuple[str, str]]] = {}  # instance id -> the teacher's steps
+
+    def prepare(self, tasks: list[Task]) -> Guide:
+        """Plans every task's demonstration now (it reads the task's repo: call it off the event
+        loop), so that `replies` during the run is a lookup."""
+        for task in tasks:
+            self._plan(task)
+        return self
+
+    def _plan(self, task: Task) -> list[tuple[str, str]]:
+        steps = self._steps.get(task.instance_id)
+        if steps is None:
+            steps = self._steps[task.instance_id] = self.teacher.steps(task)
+        return steps
 
     @classmethod
     def for_run(cls, cfg: GuideConfig, harness: str) -> Guide | None:
@@ -54,7 +68,7 @@ class Guide:
     def replies(self, task: Task, step: int = 0) -> list[str]:
         """The teacher's replies before its `until` step (a task whose plan lacks that step: all
         but the last), fewer by one per `shrink_every_steps` learner steps."""
-        steps = self.teacher.steps(task)
+        steps = self._plan(task)
         names = [name for name, _ in steps]
         k = names.index(self.cfg.until) if self.cfg.until in names else len(steps) - 1
         if self.cfg.shrink_every_steps:
