@@ -13,6 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from polar_fast.report.intervals import bootstrap, paired_bootstrap
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,37 +61,58 @@ async def test_the_budget_stops_before_a_stage_that_would_not_fit(tmp_path):
 
 def test_bootstrap_intervals_hold_the_mean_and_a_paired_gain_lies_above_zero():
     values = [0.0, 0.25, 0.5, 0.5, 1.0, 0.75, 0.0, 0.25]
-    lo, hi = lb.bootstrap(values)
+    lo, hi = bootstrap(values)
     assert lo <= sum(values) / len(values) <= hi and lo < hi
     before = [0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.25, 0.5]
-    lo, hi = lb.paired_bootstrap(before, [b + 0.25 for b in before])
+    lo, hi = paired_bootstrap(before, [b + 0.25 for b in before])
     assert lo == pytest.approx(0.25) and hi == pytest.approx(0.25)  # every task gains the same: no spread
-    lo, hi = lb.paired_bootstrap(before, [b + d for b, d in zip(before, [0.5, 0, 0.25, 0, 0.5, 0.25, 0, 0.25])])
+    lo, hi = paired_bootstrap(before, [b + d for b, d in zip(before, [0.5, 0, 0.25, 0, 0.5, 0.25, 0, 0.25])])
     assert 0 < lo < hi
 
 
-def test_the_result_line_names_every_stage_split_and_matrix_cell(capsys):
+def test_the_result_line_names_every_stage_and_the_two_paired_intervals(capsys):
     harnesses = ["mini-swe-agent", "pi"]
-    tasks = [f"t{i}" for i in range(6)]
+    tasks = [f"family__constant-{1_000_100 + i}" for i in range(6)]
 
-    def results(h: str, shift: int) -> dict:
-        return {f"{policy}:{split}": _report(h, {t: min(4, i % 3 + shift + k) for i, t in enumerate(tasks)})
-                for k, policy in enumerate(("base", "warm", "rl")) for split in ("heldout", "transfer")}
+    def results(h: str) -> dict:
+        # warm passes i % 3 of 4 samples per task, control one more, rl two more (capped at 4)
+        extra = {"warm": 0, "control": 1, "rl": 2}
+        return {f"{policy}:{split}": _report(h, {t: min(4, i % 3 + extra[policy]) for i, t in enumerate(tasks)})
+                for policy in extra for split in (lb.HELDOUT, lb.TRANSFER)}
 
-    done = {h: {"results": results(h, s), "rl": {"steps": [{"reward/mean": 0.25}, {"reward/mean": 0.5}]}}
-            for s, h in enumerate(harnesses)}
+    steps = [{"reward/mean": r, "learner/entropy": 0.5, "learner/kl": 0.01, "reward/groups": 2,
+              "reward/zero_variance_groups": 1} for r in (0.1, 0.2, 0.3, 0.5, 0.6, 0.7)]
+    done = {h: {"results": results(h), "rl": [{"steps": steps}],
+                "control": {"optimizer_steps": 6, "rows_per_step": 4, "forwarded_tokens": 100,
+                            "rl_optimizer_steps": 6, "rl_forwarded_tokens": 110, "lr": 1e-4}} for h in harnesses}
     cells = {(t, o): _report(o, {x: 2 for x in tasks}) for t in harnesses for o in harnesses}
     stages = lb.Stages(Path("."), 0, time.monotonic())
-    lb.print_summary(harnesses, done, cells, ["heldout", "transfer"], stages)
+    result = lb.print_summary(harnesses, done, cells, stages, samples=4)
     out = capsys.readouterr().out
-    [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    got = dict(kv.split("=") for kv in line.split()[1:])
     for h in ("mini_swe_agent", "pi"):
-        for k in ("base", "warm", "rl", "rl_delta_lo", "rl_delta_hi", "transfer_base", "transfer_warm", "transfer_rl"):
-            assert f"{h}_{k}" in got, (h, k)
-    assert {k for k in got if k.startswith("matrix_")} == {
-        "matrix_mini_swe_agent_on_mini_swe_agent", "matrix_mini_swe_agent_on_pi", "matrix_pi_on_mini_swe_agent", "matrix_pi_on_pi"}
-    assert float(got["matrix_pi_on_mini_swe_agent"]) == 0.5
-    # warm -> rl: one more pass per task (capped at 4 of 4): the paired interval lies above 0
-    assert float(got["mini_swe_agent_rl_delta_lo"]) > 0
-    assert re.search(r"warm -> rl on heldout: \+\d+\.\d points", out)
+        for k in ("warm", "rl", "control", "rl_delta_lo", "rl_delta_hi", "rl_minus_control_lo", "rl_minus_control_hi",
+                  "train_reward_first", "train_reward_last", "transfer_warm", "transfer_rl", "transfer_control"):
+            assert f"{h}_{k}" in result, (h, k)
+    assert result["matrix_pi_on_mini_swe_agent"] == 0.5
+    # rl passes more of every task (capped at 4 of 4) than warm and than control: both intervals lie above 0
+    assert result["mini_swe_agent_rl_delta_lo"] > 0 and result["mini_swe_agent_rl_minus_control_lo"] > 0
+    assert result["mini_swe_agent_train_reward_first"] == pytest.approx(0.2)
+    assert result["mini_swe_agent_train_reward_last"] == pytest.approx(0.6)
+    assert re.search(r"control -> rl on heldout_large: \+\d+\.\d points", out)
+    assert "KL to the warm start per step" in out and "share of finished groups with an advantage" in out
+
+
+def test_tune_reports_pass_at_1_pass_at_k_and_the_advantage_share_per_family(capsys):
+    args = type("Args", (), {"tune_samples": 4, "group_size": 4})()
+    per_task = [{"task_id": "family__constant-700000", "passed": 2, "scored": 4},
+                {"task_id": "family__constant-700001", "passed": 4, "scored": 4},
+                {"task_id": "family__returns-700000", "passed": 0, "scored": 4}]
+    report = {"harnesses": [{"harness": "mini-swe-agent", "per_task": per_task}]}
+    result = lb.print_tune(["mini-swe-agent"], {"mini-swe-agent": {"tune": {"guided": report}}}, args)
+    assert result["mini_swe_agent_constant_guided_pass1"] == pytest.approx(0.75)
+    assert result["mini_swe_agent_constant_guided_pass4"] == pytest.approx(1.0)
+    assert result["mini_swe_agent_returns_guided_pass1"] == 0.0
+    assert result["mini_swe_agent_all_guided_pass1"] == pytest.approx(0.5)
+    out = capsys.readouterr().out
+    # advantage@4 of a task at p = 0.5 is 1 - 2/16; at p = 1 or 0 it is 0
+    assert "| constant | 2 | 75.0% | 100.0% | 44% | 50% |" in out
