@@ -86,3 +86,90 @@ async def test_mean_reward_rises(tiny_model_dir):
     await engine.aclose()
     early, late = sum(means[:2]) / 2, sum(means[-2:]) / 2
     assert late > early + 0.3, means  # seen: 0.21 -> 0.93 over 8 steps
+
+
+# ------------------------------------------------------------------- through a real harness
+
+BOOSTED = range(40_000, 40_016)  # token ids the tiny model mostly samples (rare pieces: never in the prompt)
+BOOST = 20.0
+
+
+def boosted_model_dir(path) -> tuple[str, torch.Tensor]:
+    """A two-layer Llama with SmolLM2's vocabulary and tokenizer (the renderer and the harness
+    need a real chat template) whose samples fall, nearly always, on 16 tokens: their embedding
+    rows are scaled up, so their logits dwarf the rest of the vocabulary's. Its choices then
+    look like the 16-token model's above, while every prompt is real chat-template text. The
+    target: a quarter of those 16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[BOOSTED] *= BOOST
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    target = torch.zeros(len(tokenizer), dtype=torch.bool)
+    target[list(BOOSTED)[:4]] = True
+    return str(path), target
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.anyio
+async def test_mean_reward_rises_through_the_real_proxy_and_harness(tmp_path):
+    """mini-swe-agent runs each rollout in a local sandbox against the real proxy, which renders
+    its requests with SmolLM2's chat template and records the embedded engine's samples; the
+    learner trains the tree merge of each group and pushes the weights back in process. The
+    task's tests cannot reward a random model, so the reward is the share of its sampled tokens
+    in the target set; everything the reward reads went through the capture path."""
+    import msgspec
+
+    from polar_fast.cluster import rollout_side
+    from polar_fast.config import parse_config
+    from polar_fast.pools import Pools
+    from polar_fast.rollouts.groups import GroupSpec
+    from polar_fast.rollouts.tasks import load_builtin
+
+    model_dir, target = await anyio.to_thread.run_sync(boosted_model_dir, tmp_path / "model")
+    cfg = parse_config({
+        "run": {"output_dir": str(tmp_path / "run")}, "model": {"path": model_dir, "max_context_tokens": 4096},
+        "engine": {"kind": "embedded"}, "sampling": {"max_tokens": 16, "seed": 0},
+        "harness": {"name": "mini-swe-agent", "max_steps": 1, "timeout_s": 60}, "sandbox": {"kind": "local"},
+        "pools": {"group_size": 6, "boot_workers": 2, "agent_workers": 6, "eval_workers": 2, "prewarm": 2},
+        "merge": {"max_tokens": 4096}, "learner": {"lr": 1e-2, "grad_clip": 1.0},
+    })
+    [task] = await anyio.to_thread.run_sync(lambda: load_builtin()[:1])
+    learner = await anyio.to_thread.run_sync(lambda: Learner(cfg.learner, load_model(model_dir), layout="tree",
+                                                             max_tokens=4096))
+
+    def scored(group):
+        """The group with each rollout rewarded by its sampled tokens (the harness's own outcome kept in `error`)."""
+        out = []
+        for r in group.rollouts:
+            tokens = [t for c in r.sampled_calls for t in c.completion_ids]
+            reward = float(target[tokens].float().mean()) if tokens else 0.0
+            out.append(msgspec.structs.replace(r, record=msgspec.structs.replace(
+                r.record, outcome=Outcome.OK, reward=reward)))
+        return msgspec.structs.replace(group, rollouts=out)
+
+    means = []
+    async with rollout_side(cfg, tmp_path / "run") as rollouts:
+        sync = EngineSync(rollouts.engine)
+        for step in range(4):
+            groups = []
+
+            async def done(group):
+                groups.append(scored(group))
+
+            await Pools.for_rollouts(rollouts).run([GroupSpec(task=task, group_id=f"s{step}", group_size=6)], done)
+            [group] = groups
+            assert all(c.policy_version == step for c in group.calls) and len(group.calls) >= 6
+            metrics = await anyio.to_thread.run_sync(learner.step, groups)
+            means.append(metrics.reward_mean)
+            await learner.sync_weights(sync)
+    early, late = sum(means[:2]) / 2, sum(means[-2:]) / 2
+    assert late > early + 0.4, means  # seen without the harness, over 4 seeds: ~0.2 at step 1, 1.0 by step 3
