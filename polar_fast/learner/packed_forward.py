@@ -25,6 +25,11 @@ each chunk but the last under activation checkpointing, so (chunk, vocab) logits
 chunk at a time in forward and backward and full logits never materialise for a long sequence.
 The last chunk's backward follows right after its forward, so it is kept, not recomputed; the
 short remainder chunk goes first, so that the kept one is a full chunk.
+
+A step in progress can be watched and stopped (learner/step_control.py): while `control` is
+set, each decoder layer reports itself before its forward and, through a hook on its output,
+before its backward, and each logprob chunk checks too; a stop request raises StepInterrupted
+there, so a long micro-batch stops within one layer's time.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polar_fast.learner import packed_attention, packed_recurrence
+from polar_fast.learner.step_control import StepControl
 
 FLEX = "polar_fast_flex"  # transformers' flex_attention_forward, for classes that do not declare it
 FLEX_NAMES = ("flex_attention", FLEX)
@@ -150,6 +156,20 @@ class PackedLM(nn.Module):
         self.recurrent = packed_recurrence.install(lm)  # Gated DeltaNet layers: segment by segment
         # the sampling temperature: logprobs under the distribution the engine sampled from
         self.temperature = temperature if temperature > 0 else 1.0
+        self.control: StepControl | None = None  # set by the learner while a step runs
+        for index, layer in enumerate(getattr(lm.get_decoder(), "layers", [])):
+            layer.register_forward_pre_hook(functools.partial(self._before_layer, index))
+            layer.register_forward_hook(functools.partial(self._after_layer, index))
+
+    def _before_layer(self, index: int, module: nn.Module, args: Any) -> None:  # noqa: ARG002 - hook signature
+        if self.control is not None:
+            self.control.at_layer(index, "forward")
+
+    def _after_layer(self, index: int, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self.control is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            control = self.control
+            hidden.register_hook(lambda grad: control.at_layer(index, "backward"))
 
     def forward(
         self,
@@ -182,6 +202,8 @@ class PackedLM(nn.Module):
         bounds = [0, *range(n % chunk_tokens or chunk_tokens, n + 1, chunk_tokens)]  # a short chunk first
         parts = []
         for start, stop in zip(bounds, bounds[1:]):
+            if self.control is not None:
+                self.control.check()
             h, t = rows[start:stop], target[start:stop]
             if torch.is_grad_enabled() and stop < n:  # the last chunk's backward follows at once
                 parts.append(checkpoint(self._chunk_logprobs, head, h, t, use_reentrant=False))
@@ -192,6 +214,8 @@ class PackedLM(nn.Module):
         return torch.cat(parts)
 
     def _chunk_logprobs(self, head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if self.control is not None:  # also when the backward recomputes a chunk
+            self.control.check()
         logits = head(h).float()  # (chunk, V): the only place logits exist
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
