@@ -322,7 +322,7 @@ def _accumulate(learner: Learner, batch: StepBatch, objective: Objective,
     mine = list(range(learner.rank, n, learner.world))
     n_local = -(-n // learner.world) if n else 0
     tokens = [len(batch.micro_batches[i].tokens) for i in mine]
-    control.begin(tokens, len(getattr(learner.policy.lm.get_decoder(), "layers", [])))
+    control.begin(tokens)
     by_rollout = None
     if objective == "grpo" and cfg.is_correction == "mask" and cfg.is_mask_level == "rollout":
         by_rollout = _rollout_log_ratios(learner, batch, mine, n_local)

@@ -157,19 +157,20 @@ class PackedLM(nn.Module):
         # the sampling temperature: logprobs under the distribution the engine sampled from
         self.temperature = temperature if temperature > 0 else 1.0
         self.control: StepControl | None = None  # set by the learner while a step runs
-        for index, layer in enumerate(getattr(lm.get_decoder(), "layers", [])):
-            layer.register_forward_pre_hook(functools.partial(self._before_layer, index))
-            layer.register_forward_hook(functools.partial(self._after_layer, index))
+        layers = getattr(lm.get_decoder(), "layers", [])
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(self._before_layer, index, len(layers)))
+            layer.register_forward_hook(functools.partial(self._after_layer, index, len(layers)))
 
-    def _before_layer(self, index: int, module: nn.Module, args: Any) -> None:  # noqa: ARG002 - hook signature
+    def _before_layer(self, index: int, count: int, module: nn.Module, args: Any) -> None:  # noqa: ARG002 - hook
         if self.control is not None:
-            self.control.at_layer(index, "forward")
+            self.control.at("forward layer", index, count)
 
-    def _after_layer(self, index: int, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
+    def _after_layer(self, index: int, count: int, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
         hidden = output[0] if isinstance(output, tuple) else output
         if self.control is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            control = self.control
-            hidden.register_hook(lambda grad: control.at_layer(index, "backward"))
+            control = self.control  # its backward runs before this layer's: the gradient reaching its output
+            hidden.register_hook(lambda grad: control.at("backward layer", index, count))
 
     def forward(
         self,
@@ -201,9 +202,9 @@ class PackedLM(nn.Module):
         n = rows.shape[0]
         bounds = [0, *range(n % chunk_tokens or chunk_tokens, n + 1, chunk_tokens)]  # a short chunk first
         parts = []
-        for start, stop in zip(bounds, bounds[1:]):
+        for chunk, (start, stop) in enumerate(zip(bounds, bounds[1:])):
             if self.control is not None:
-                self.control.check()
+                self.control.at("logprob chunk", chunk, len(bounds) - 1)
             h, t = rows[start:stop], target[start:stop]
             if torch.is_grad_enabled() and stop < n:  # the last chunk's backward follows at once
                 parts.append(checkpoint(self._chunk_logprobs, head, h, t, use_reentrant=False))

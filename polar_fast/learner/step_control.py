@@ -31,24 +31,25 @@ class StepControl:
         self.n_micro_batches = 0
         self.tokens_done = 0  # tokens of the micro-batches finished
         self.tokens_total = 0
-        self.phase = "preparing"  # "forward" | "backward" once a micro-batch runs
-        self.layer = 0  # 1-based decoder layer of the phase
-        self.n_layers = 0
+        self.phase = "preparing"  # then "forward layer", "backward layer", "logprob chunk"
+        self.index = 0  # 1-based: which layer or chunk of the phase
+        self.count = 0
 
     def check(self) -> None:
         if self.interruptible and self.stop.is_set():
             raise StepInterrupted(f"stopped at {self.describe()}")
 
-    def begin(self, tokens: list[int], n_layers: int) -> None:
+    def begin(self, tokens: list[int]) -> None:
         """The micro-batches this step will forward (their token counts), in order."""
-        self.n_micro_batches, self.tokens_total, self.n_layers = len(tokens), sum(tokens), n_layers
+        self.n_micro_batches, self.tokens_total = len(tokens), sum(tokens)
 
-    def at_layer(self, index: int, phase: str) -> None:
-        self.layer, self.phase = index + 1, phase
+    def at(self, phase: str, index: int, count: int) -> None:
+        """Part `index` (0-based) of `count` of `phase` is due; stops the step when asked."""
+        self.phase, self.index, self.count = phase, index + 1, count
         self.check()
 
     def describe(self) -> str:
         """'micro-batch 2 of 5 (8,192 of 30,721 tokens done), backward layer 3 of 30, 95 s'"""
-        where = f", {self.phase} layer {self.layer} of {self.n_layers}" if self.layer else f", {self.phase}"
+        where = f", {self.phase} {self.index} of {self.count}" if self.count else f", {self.phase}"
         return (f"micro-batch {self.micro_batch} of {self.n_micro_batches} ({self.tokens_done:,} of "
                 f"{self.tokens_total:,} tokens done){where}, {time.monotonic() - self.started:.0f} s")
