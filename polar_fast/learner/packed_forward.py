@@ -156,21 +156,16 @@ class PackedLM(nn.Module):
         self.recurrent = packed_recurrence.install(lm)  # Gated DeltaNet layers: segment by segment
         # the sampling temperature: logprobs under the distribution the engine sampled from
         self.temperature = temperature if temperature > 0 else 1.0
-        self.control: StepControl | None = None  # set by the learner while a step runs
-        layers = getattr(lm.get_decoder(), "layers", [])
-        for index, layer in enumerate(layers):
-            layer.register_forward_pre_hook(functools.partial(self._before_layer, index, len(layers)))
-            layer.register_forward_hook(functools.partial(self._after_layer, index, len(layers)))
+        self._control = _step_checks(lm)  # [StepControl | None], read by lm's layer hooks
 
-    def _before_layer(self, index: int, count: int, module: nn.Module, args: Any) -> None:  # noqa: ARG002 - hook
-        if self.control is not None:
-            self.control.at("forward layer", index, count)
+    @property
+    def control(self) -> StepControl | None:
+        """The step in progress (learner/step_control.py), set by the learner while a step runs."""
+        return self._control[0]
 
-    def _after_layer(self, index: int, count: int, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG002
-        hidden = output[0] if isinstance(output, tuple) else output
-        if self.control is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            control = self.control  # its backward runs before this layer's: the gradient reaching its output
-            hidden.register_hook(lambda grad: control.at("backward layer", index, count))
+    @control.setter
+    def control(self, value: StepControl | None) -> None:
+        self._control[0] = value
 
     def forward(
         self,
@@ -223,6 +218,34 @@ class PackedLM(nn.Module):
         if self.temperature != 1.0:
             logits = logits / self.temperature
         return -F.cross_entropy(logits, t, reduction="none")  # log_softmax(logits)[t], one fused kernel
+
+
+def _step_checks(lm: nn.Module) -> list[StepControl | None]:
+    """The one-element list [StepControl | None] that `lm`'s decoder layers report to: before
+    each layer's forward, and through a hook on its output, before its backward. Installed once
+    per model, however many wrappers it gets (the start-up packing check wraps it too)."""
+    slot = getattr(lm, "_polar_step_control", None)
+    if slot is None:
+        slot = [None]
+        layers = getattr(lm.get_decoder(), "layers", [])
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(_before_layer, slot, index, len(layers)))
+            layer.register_forward_hook(functools.partial(_after_layer, slot, index, len(layers)))
+        lm._polar_step_control = slot
+    return slot
+
+
+def _before_layer(slot: list, index: int, count: int, module: nn.Module, args: Any) -> None:  # noqa: ARG001 - hook
+    if slot[0] is not None:
+        slot[0].at("forward layer", index, count)
+
+
+def _after_layer(slot: list, index: int, count: int, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG001
+    hidden = output[0] if isinstance(output, tuple) else output
+    control = slot[0]
+    if control is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        # the gradient reaching this layer's output: its backward is next
+        hidden.register_hook(lambda grad: control.at("backward layer", index, count))
 
 
 def batch_tensors(batch: Any, terms: Terms, device: torch.device | str) -> dict[str, torch.Tensor]:
