@@ -203,11 +203,12 @@ def compaction_verdict(calls: list[CallRecord], exchanges: list[ExchangeRecord],
         return common_prefix(joined, c.prompt_ids) >= len(filled.prompt_ids)
 
     main = [c for c in after if shares_most(filled, c) and not holds_conversation(c)]
-    for summary in after:  # summarised: a reply handed back to a later main request
-        text = _reply(by_index, summary).strip()
-        restart = next((r for r in main if r.call_index > summary.call_index and len(text) >= _MIN_SUMMARY_CHARS
-                        and _shows(by_index.get(r.call_index), text)), None)
-        if restart is not None:
+    for restart in main:  # summarised: the nearest earlier reply it hands back, outside the model's turns
+        e = by_index.get(restart.call_index)
+        summary = next((s for s in reversed(after) if s.call_index < restart.call_index
+                        and len(_reply(by_index, s).strip()) >= _MIN_SUMMARY_CHARS
+                        and _shows(e, _reply(by_index, s).strip())), None)
+        if summary is not None:
             return passed(AREA, "context", f"{evidence}; call {summary.call_index} ({len(summary.prompt_ids):,} "
                           f"prompt tokens) summarised the conversation and call {restart.call_index} "
                           f"({len(restart.prompt_ids):,} prompt tokens) starts again from that summary: it compacted")
@@ -216,29 +217,36 @@ def compaction_verdict(calls: list[CallRecord], exchanges: list[ExchangeRecord],
         if e is not None and _system(e) == system and not any(fill in m.content for m in e.messages):
             return passed(AREA, "context", f"{evidence}; call {c.call_index} ({len(c.prompt_ids):,} prompt tokens), "
                           "with the same system prompt, no longer holds the conversation: it compacted (shortened)")
-    return failed(AREA, "context", f"{evidence}; after it: {_after_filled(filled, after, main, holds_conversation)}: "
-                  "no compaction", "tell the harness the window and output cap ({{ context_window }}, "
-                  "{{ max_output_tokens }}) where it reads them")
+    told = _after_filled(filled, after, main, holds_conversation, by_index, fill)
+    return failed(AREA, "context", f"{evidence}; after it: {told}: no compaction",
+                  "tell the harness the window and output cap ({{ context_window }}, {{ max_output_tokens }}) "
+                  "where it reads them")
 
 
-def _after_filled(filled: CallRecord, after: list[CallRecord], main: list[CallRecord], holds) -> str:
-    """What the calls after the filled one were, named one kind at a time."""
+def _after_filled(filled: CallRecord, after: list[CallRecord], main: list[CallRecord], holds,
+                  by_index: dict[int, ExchangeRecord], fill: str) -> str:
+    """What the calls after the filled one were, each named for what it was."""
     if not after:
         return "no call"
     parts = []
     kept = [c.call_index for c in after if holds(c)]
     if kept:
         parts.append(f"call(s) {', '.join(map(str, kept))} still hold the whole conversation")
+    if main:
+        parts.append(f"call(s) {', '.join(str(c.call_index) for c in main)} re-sent the conversation rewritten, and "
+                     "no later request started from a summary")
     for c in after:
         if c in main or holds(c):
+            continue
+        e = by_index.get(c.call_index)
+        if fill and e is not None and any(fill in m.content for m in e.messages):
+            parts.append(f"call {c.call_index} ({len(c.prompt_ids):,} prompt tokens) re-sent the conversation in "
+                         "another shape, but no later request started from its reply")
             continue
         common = common_prefix(filled.prompt_ids, c.prompt_ids)
         parts.append(f"call {c.call_index} ({len(c.prompt_ids):,} prompt tokens) is a side call (it shares "
                      f"{common:,} of call {filled.call_index}'s {len(filled.prompt_ids):,} prompt tokens: a title or "
                      "small-model request), not counted")
-    if main:
-        parts.append(f"call(s) {', '.join(str(c.call_index) for c in main)} re-sent the conversation in another "
-                     "form, still holding the fill, with no summary handed back")
     return "; ".join(parts)
 
 
