@@ -184,3 +184,47 @@ def test_the_scripted_call_fills_every_required_argument_by_its_schema_type():
     assert tool is not None and (tool.name, tool.command_arg) == ("bash", "command")
     assert tool.required == {"description": "polar check", "timeout": 30, "background": False, "mode": "safe"}
     assert json.loads(tool.call("ls").split("\n")[1]) == [{"name": "bash", "arguments": {**tool.required, "command": "ls"}}]
+
+
+def _call(index: int, prompt: list[int], completion: list[int], messages: list, reply: str):
+    from polar_fast.conversation import Message
+    from polar_fast.records import CallRecord, ExchangeRecord
+
+    ids = dict(session_id="s", rollout_id="r", group_id="g", call_index=index, dialect="chat")
+    return (CallRecord(**ids, prompt_ids=prompt, completion_ids=completion, completion_logprobs=[0.0] * len(completion),
+                       policy_version=0, finish_reason="stop"),
+            ExchangeRecord(**ids, model="m", messages=[Message(role=r, content=c) for r, c in messages],
+                           reply=Message(role="assistant", content=reply)))
+
+
+def test_context_passes_a_summary_request_and_the_restart_from_it_and_names_a_side_call_otherwise():
+    from polar_fast.preflight.check_calls import compaction_verdict
+
+    fill = "context " * 20
+    system, tools, task = list(range(100, 160)), list(range(200, 240)), [7] * 10
+    first = [("system", "SYS"), ("user", "task")]
+    filled = _call(0, system + tools + task, [9] * 60, first, f"I'll look. {fill}")
+    going_on = _call(1, system + tools + task + [9] * 60 + [5] * 5, [8] * 6,
+                     first + [("assistant", f"I'll look. {fill}"), ("tool", "polar-check-42")], "Now I apply the fix.")
+    title = _call(2, [300] * 12, [4] * 3, [("system", "Write a title."), ("user", "task")], "A title")
+    # Claude Code's shape: the conversation re-sent under another system prompt, then a restart from its reply
+    summary = _call(3, [400] * 30 + [9] * 60, [6] * 8, [("system", "Summarise."), ("user", f"task {fill}")],
+                    "Summary: the fix is under way.")
+    restart = _call(4, system + tools + [6] * 8, [3] * 2,
+                    [("system", "SYS"), ("user", "Continued from: Summary: the fix is under way.")], "Done.")
+
+    def verdict(*pairs):
+        calls, exchanges = [c for c, _ in pairs], [e for _, e in pairs]
+        return compaction_verdict(calls, exchanges, fill.strip(), 100, "told window 1,000")
+
+    item = verdict(filled, going_on, title, summary, restart)
+    assert item.status == "pass", item.evidence
+    assert "call 3 (90 prompt tokens) summarised the conversation and call 4 (108 prompt tokens) starts again" \
+        in item.evidence
+    item = verdict(filled, going_on, title)  # a title after the filled call, never a compaction
+    assert item.status == "fail" and item.evidence.endswith("no compaction"), item.evidence
+    assert "call(s) 1 still hold the whole conversation" in item.evidence
+    assert "call 2 (12 prompt tokens) is a side call (it shares 0 of call 0's 110 prompt tokens" in item.evidence
+    item = verdict(filled, going_on, title, summary)  # a summary request no request started from
+    assert item.status == "fail" and "call 3 (90 prompt tokens) re-sent the conversation in another shape" \
+        in item.evidence, item.evidence
