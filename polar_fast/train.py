@@ -56,11 +56,10 @@ import msgspec
 from polar_fast.cluster import rollout_side
 from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
-from polar_fast.grpo import Gate, Learner, trains_on
+from polar_fast.grpo import Gate, Learner, StepControl, StepInterrupted, trains_on
 from polar_fast.learner import distributed
 from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
-from polar_fast.learner.step_control import StepControl, StepInterrupted
 from polar_fast.learner.weight_sync import WeightSync, weight_sync_for
 from polar_fast.pools import Pools
 from polar_fast.proxy import Proxy

@@ -17,8 +17,10 @@ from __future__ import annotations
 import threading
 import time
 
+from polar_fast.errors import PolarError
 
-class StepInterrupted(Exception):
+
+class StepInterrupted(PolarError):
     """A stop request ended a learner step before its update; nothing of it was applied."""
 
 

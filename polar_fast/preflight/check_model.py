@@ -27,7 +27,7 @@ import json
 import math
 import re
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 
@@ -148,14 +148,15 @@ def shown_text(prompt_text: str) -> str:
 class CheckEngine:
     """The scripted model of the module docstring (an engine: `generate`, `update_weights`)."""
 
-    def __init__(self, tokenizer, *, fix_patch: str, end_command: str = "", edit_template: str = "",
-                 fill_tokens: int = 0, main_prompt_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, *, fix_patch: str, end_command: str = "",
+                 edit_reply: Callable[[str, str, str], str] | None = None, fill_tokens: int = 0,
+                 main_prompt_tokens: int = 0) -> None:
         self.policy_version = 0
         self.tokenizer = tokenizer
         self.fix = f"git apply <<'POLAR_EOF'\n{fix_patch}POLAR_EOF"
         self.edits = patch_edits(fix_patch)
         self.end_command = end_command
-        self.edit_template = edit_template
+        self.edit_reply = edit_reply  # (file, old, new) -> an edit in the CLI's format; None: it acts by tools
         self.fill = " ".join(["context"] * fill_tokens)
         self.main_prompt_tokens = main_prompt_tokens  # the main first request's size (compaction run)
         self.filled = ""  # the fill once sent: a prompt without it is compacted, and the task ends
@@ -167,7 +168,7 @@ class CheckEngine:
     def reply(self, text: str, n_tokens: int) -> str:
         tool = shell_tool(text)
         self.tool = self.tool or tool
-        if tool is None and not self.edit_template:
+        if tool is None and self.edit_reply is None:
             return NO_TOOL_REPLY
         if self.filled and self.filled not in text:
             return self._end(tool)  # compacted: end the task rather than start over (it might compact again)
@@ -188,22 +189,17 @@ class CheckEngine:
             opening = f"<think>\nFirst I look at the repository.\n</think>\n{FIRST_TEXT}{' ' + fill if fill else ''}\n"
             if tool is not None:
                 return opening + tool.call(MARK_COMMAND)
-            return opening + self._edit(MARK_FILE, "", MARK_OUTPUT + "\n")
+            return opening + self.edit_reply(MARK_FILE, "", MARK_OUTPUT + "\n")
         if step == "fix":
             if tool is not None:
                 return f"{FIX_TEXT}\n" + tool.call(self.fix)
-            return f"{FIX_TEXT}\n" + "".join(self._edit(e.file, e.old, e.new) for e in self.edits)
+            return f"{FIX_TEXT}\n" + "".join(self.edit_reply(e.file, e.old, e.new) for e in self.edits)
         return self._end(tool)
 
     def _end(self, tool: ShellTool | None) -> str:
         if tool is not None and self.end_command:
             return "Submitting.\n" + tool.call(self.end_command)
         return DONE_TEXT
-
-    def _edit(self, file: str, old: str, new: str) -> str:
-        from polar_fast.rollouts.harnesses.configured import render_edit
-
-        return render_edit(self.edit_template, file=file, old=old, new=new)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = "") -> Generation:
         text = await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids))

@@ -165,7 +165,7 @@ async def check_harness(cfg: Config, target: str) -> CheckReport:
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
     task = (await asyncio.to_thread(load_builtin))[0]
     acting = dict(fix_patch=task.patch, end_command=getattr(harness, "end_command", "") or "",
-                  edit_template=getattr(harness, "edit_template", ""))
+                  edit_reply=getattr(harness, "edit_reply", None))
     engine = CheckEngine(tokenizer, **acting)
     run = await run_once(cfg, engine, task)
     declared = getattr(getattr(harness, "definition", None), "api", "")  # a configured harness names its API
@@ -214,7 +214,7 @@ def tool_item(run: _Run, engine: CheckEngine) -> Item:
     if not run.calls:
         return failed(AREA, "tool call", "not reached: no model call", "make the proxy line pass first")
     tool = engine.tool
-    if tool is None and engine.edit_template:
+    if tool is None and engine.edit_reply is not None:
         return edit_item(run, engine)
     shown = _shown_in(run, MARK_OUTPUT)
     if tool is not None and shown is not None:

@@ -274,7 +274,11 @@ class ConfiguredHarness:
         self.name = definition.name
         self.format_error_markers = tuple(definition.format_error_markers)
         self.end_command = definition.end_command
-        self.edit_template = definition.check.edit  # harnesses check: its text-edit reply ("" = acts by tools)
+        if definition.check.edit:  # harnesses check: how its scripted model edits a file (else: by tools)
+            self.edit_reply = self._edit_reply
+
+    def _edit_reply(self, file: str, old: str, new: str) -> str:
+        return render_edit(self.definition.check.edit, file=file, old=old, new=new)
 
     def compaction_threshold(self, limits: ModelLimits) -> int | None:
         if not self.definition.compaction_threshold:
