@@ -490,7 +490,9 @@ class _Loop:
                     self.emit("info", {"message": f"learner step {number}: {control.describe()}"})
         finally:
             stopped.cancel()
-            control.stop.set()  # cancelled from outside: the thread stops at its next check
+            if not work.done():  # cancelled from outside: the thread stops at its next check
+                control.stop.set()
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())  # its StepInterrupted is expected
         try:
             return await work
         except StepInterrupted:
