@@ -91,9 +91,12 @@ def describe_change(exchanges: list[ExchangeRecord], a: CallRecord, b: CallRecor
     if [(m.role, m.content) for m in eb.messages[: len(ea.messages)]] != [(m.role, m.content) for m in ea.messages]:
         changes.append(_earlier_messages(ea.messages, eb.messages))
     reply = ea.reply
-    sent = eb.messages[len(ea.messages)] if len(eb.messages) > len(ea.messages) else None
-    if sent is None or sent.role != "assistant":
-        sent = next((m for m in eb.messages if m.role == "assistant" and m.content == reply.content), None)
+    # where the reply should be; a harness that reorders its turns may have it elsewhere, unchanged
+    mine = [m for m in eb.messages if m.role == "assistant"]
+    sent = next((m for m in mine if m.content == reply.content), None) or next(
+        (m for m in mine if m.content.split() == reply.content.split()), None)
+    if sent is None and len(eb.messages) > len(ea.messages) and eb.messages[len(ea.messages)].role == "assistant":
+        sent = eb.messages[len(ea.messages)]
     if sent is None:
         changes.append("the reply is missing from the resent conversation")
     else:
