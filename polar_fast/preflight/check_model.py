@@ -17,7 +17,11 @@ through a fixed script, acting the way the harness takes actions.
   the file to its context (aider does, for a file the reply names that it has not been shown).
 - Compaction run: the first main-conversation reply of step 0 (a prompt at least
   MAIN_SHARE of the main first request: not a title request) is padded with `fill_tokens` words;
-  a later prompt without that padding has compacted, and the task ends there.
+  a later prompt without that padding has compacted, and the task ends there. Until then, a
+  shell-tool harness is kept working rather than ended (at most MAX_PADS more calls, each a
+  command printing as many other words), so a harness that compacts only when the proxy refuses
+  a prompt that outgrew the window (Pi, within one `pi -p` run) gets there, and retries from its
+  summary.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ FIX_TEXT = "Now I apply the fix."
 DONE_TEXT = "Done: the fix is applied."
 MAIN_SHARE = 0.8  # a prompt this share of the main first request's size is the main conversation
 MAX_SENDS = 2  # each step is sent at most this often (a CLI may ask again once)
+MAX_PADS = 4  # compaction run: padded calls after the fix while the harness has not compacted
 _SHELL_NAMES = ("bash", "shell", "exec", "command", "terminal", "run")
 _SHELL_ARGS = ("command", "cmd", "script")
 _TOOL_RESULT = "<|im_start|>user\n<tool_response>"  # how the chat template renders a tool result
@@ -180,6 +185,8 @@ class CheckEngine:
             step = "first" if MARK_OUTPUT not in shown else "fix" if not fixed else "end"
         if tool is None and step != "end" and self.sent[step] >= MAX_SENDS:
             step = "end"  # the CLI keeps asking: its edits do not land (the tool call line says so)
+        if step == "end" and tool is not None and self.filled and self.sent["pad"] < MAX_PADS:
+            step = "pad"  # not compacted yet: keep the conversation growing
         self.sent[step] += 1
         if step == "first":
             self.first_prompt_tokens = max(self.first_prompt_tokens, n_tokens)
@@ -190,6 +197,8 @@ class CheckEngine:
             if tool is not None:
                 return opening + tool.call(MARK_COMMAND)
             return opening + self.edit_reply(MARK_FILE, "", MARK_OUTPUT + "\n")
+        if step == "pad":  # a long output, not a long reply: a reply the window cuts short ends the turn
+            return "Still looking.\n" + tool.call(f"printf 'padding %.0s' $(seq 1 {len(self.fill.split())})")
         if step == "fix":
             if tool is not None:
                 return f"{FIX_TEXT}\n" + tool.call(self.fix)
