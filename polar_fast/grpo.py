@@ -66,11 +66,13 @@ from polar_fast.learner.batches import LAYOUTS, StepBatch, check_layout, group_b
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polar_fast.learner.mismatch import Gate, MismatchError
 from polar_fast.learner.packed_forward import PackedLM, batch_tensors, loss_terms
+from polar_fast.learner.step_control import StepControl, StepInterrupted
 from polar_fast.learner.weight_sync import WeightStream
 from polar_fast.records import CallRecord, Outcome
 from polar_fast.rollouts.groups import GroupRecord
 
-__all__ = ["LAYOUTS", "Gate", "Learner", "MismatchError", "StepBatch", "StepMetrics", "build_step_batch", "trains_on"]
+__all__ = ["LAYOUTS", "Gate", "Learner", "MismatchError", "StepBatch", "StepControl", "StepInterrupted", "StepMetrics",
+           "build_step_batch", "trains_on"]
 
 Objective = Literal["grpo", "nll"]  # GRPO on group rewards; supervised fine-tuning (learner/sft.py)
 
@@ -314,13 +316,17 @@ def _all_reduce(learner: Learner, t: torch.Tensor, op: Any = None) -> torch.Tens
 # --------------------------------------------------------------------------------------- step
 
 
-def _accumulate(learner: Learner, batch: StepBatch, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
+def _accumulate(learner: Learner, batch: StepBatch, objective: Objective,
+                control: StepControl) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward every micro-batch this rank owns (i::world); the SUMS and the largest
-    |delta logprob| over the whole step, reduced over the ranks."""
+    |delta logprob| over the whole step, reduced over the ranks. `control` sees each micro-batch
+    start and end, and stops the step between any two (StepInterrupted)."""
     cfg = learner.cfg
     n = len(batch.micro_batches)
     mine = list(range(learner.rank, n, learner.world))
     n_local = -(-n // learner.world) if n else 0
+    tokens = [len(batch.micro_batches[i].tokens) for i in mine]
+    control.begin(tokens)
     by_rollout = None
     if objective == "grpo" and cfg.is_correction == "mask" and cfg.is_mask_level == "rollout":
         by_rollout = _rollout_log_ratios(learner, batch, mine, n_local)
@@ -332,20 +338,34 @@ def _accumulate(learner: Learner, batch: StepBatch, objective: Objective) -> tup
         rollout_log_ratio = None
         if by_rollout is not None:
             rollout_log_ratio = by_rollout[torch.from_numpy(batch.keys_rollout[i])].to(learner.device)
+        control.check()
+        control.micro_batch = j + 1
         part, part_top = _micro_step(learner, batch, i, scale, objective, rollout_log_ratio)
         sums, top = sums + part, torch.maximum(top, part_top)
+        control.tokens_done += tokens[j] if j < len(tokens) else 0
     return _all_reduce(learner, sums), _all_reduce(learner, top, dist.ReduceOp.MAX)
 
 
-def _train_step(learner: Learner, batch: StepBatch, objective: Objective, gate: Gate | None = None) -> StepMetrics:
+def _train_step(learner: Learner, batch: StepBatch, objective: Objective, gate: Gate | None = None,
+                control: StepControl | None = None) -> StepMetrics:
     """Forward/backward of the whole step, the mismatch gate when given one, then one clipped
-    AdamW step. A gate that fails raises MismatchError before the update (gradients dropped)."""
+    AdamW step. A gate that fails raises MismatchError before the update (gradients dropped);
+    so does a stop request through `control` (StepInterrupted), on a single process."""
     if objective not in ("grpo", "nll"):
         raise ValueError(f"objective must be grpo or nll, got {objective!r}")
     started = time.perf_counter()
     learner.policy.train()
     n = len(batch.micro_batches)
-    sums, top = _accumulate(learner, batch, objective)
+    control = control or StepControl()
+    control.interruptible = learner.world == 1  # one rank cannot leave a collective call alone
+    learner.policy.control = control
+    try:
+        sums, top = _accumulate(learner, batch, objective, control)
+    except StepInterrupted:
+        learner.optimizer.zero_grad(set_to_none=True)
+        raise
+    finally:
+        learner.policy.control = None
     parts = dict(zip(SUMS, sums.tolist()))
     n_terms = batch.n_terms
     figures = mismatch.Figures(kl=parts["mismatch_kl"] / max(n_terms, 1), abs_mean=parts["mismatch_abs"] / max(n_terms, 1),
@@ -488,14 +508,17 @@ class Learner:
         return build_step_batch(groups, self.cfg, layout=self.layout, max_tokens=self.max_tokens,
                                 merge_impl=self.merge_impl)
 
-    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None) -> StepMetrics:
+    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None,
+             control: StepControl | None = None) -> StepMetrics:
         """One GRPO step on these finished groups; with a `gate`, MismatchError instead of the
-        update when the engine and the learner disagree too much (a run's first step)."""
-        return _train_step(self, self.prepare(groups), "grpo", gate)
+        update when the engine and the learner disagree too much (a run's first step). `control`
+        (learner/step_control.py) shows its progress and can stop it before the update."""
+        return _train_step(self, self.prepare(groups), "grpo", gate, control)
 
-    def train_step(self, batch: StepBatch, *, objective: Objective = "grpo", gate: Gate | None = None) -> StepMetrics:
+    def train_step(self, batch: StepBatch, *, objective: Objective = "grpo", gate: Gate | None = None,
+                   control: StepControl | None = None) -> StepMetrics:
         """One step on a prepared batch; objective "nll": supervised fine-tuning (nll_step_batch)."""
-        return _train_step(self, batch, objective, gate)
+        return _train_step(self, batch, objective, gate, control)
 
     def autocast(self):
         enabled = self.cfg.dtype == "bfloat16" and self.world == 1

@@ -25,7 +25,11 @@ driver) keeps the learner and the record log (cluster/driver.py); the loop is th
 
 Ctrl-C (SIGINT/SIGTERM) asks the run to stop: in-flight rollouts are abandoned (their sandboxes
 removed, their calls already logged), a checkpoint is saved, and `train` returns normally. A
-second Ctrl-C cancels at once.
+second Ctrl-C cancels at once. A learner step in progress stops within a layer's time, before
+its update (learner/step_control.py): the checkpoint is the last finished step's, and the
+interrupted step's groups are marked `interrupted` in groups.jsonl (their rollouts and calls
+stay in records.log; `--resume` does not train them again, it trains on new groups). A long
+step prints where it is (micro-batch i of n, tokens, layer) every PROGRESS_EVERY_S.
 
 Every stop is recorded: the rollouts the run leaves in flight (after its last step, a stop
 request, an error such as a checkpoint that cannot be written, a cancellation from outside)
@@ -50,7 +54,7 @@ import msgspec
 from polar_fast.cluster import rollout_side
 from polar_fast.config import Config, RunConfig, groups_in_flight
 from polar_fast.errors import PolarError
-from polar_fast.grpo import Gate, Learner, trains_on
+from polar_fast.grpo import Gate, Learner, StepControl, StepInterrupted, trains_on
 from polar_fast.learner import distributed
 from polar_fast.learner.checkpoint import prune_checkpoints
 from polar_fast.learner.distributed import Leader
@@ -270,6 +274,7 @@ def _leaves(error: BaseException) -> list[BaseException]:
 
 
 END_RECORD_TIMEOUT_S = 60  # writing the abandoned records and the run-end marker
+PROGRESS_EVERY_S = 30.0  # a learner step still running says where it is this often
 
 
 class _Loop:
@@ -421,7 +426,13 @@ class _Loop:
         rollouts = [r for g in groups for r in g.records]
         started = time.perf_counter()
         gate, self.gate = self.gate, None
-        step = await asyncio.to_thread(self.learner.step, groups, gate=gate)
+        step = await self._learner_step(groups, gate)
+        if step is None:  # a stop request interrupted it: nothing of it was applied
+            self.summary.stopped_early = True
+            await self.metrics.write_groups(self.learner.step_count + 1, [(g.group_id, "interrupted") for g in groups])
+            self.emit("info", {"message": f"stopped during learner step {self.learner.step_count + 1}: its "
+                                          f"{len(groups)} groups were not trained (their rollouts are in records.log)"})
+            return
         await self.learner.sync_weights(self.sync)
         if step.step % self.cfg.run.checkpoint_every == 0:
             await asyncio.to_thread(save_checkpoint, self.learner, self.cfg.run)
@@ -465,6 +476,31 @@ class _Loop:
         self.emit("step", flat)
         if self._evaluates(step.step):
             await self.evaluator.run(step.step)
+
+    async def _learner_step(self, groups: list[GroupRecord], gate: Gate | None):
+        """The learner step in a worker thread, watched: a stop request interrupts it (None), and
+        while it runs it says where it is every PROGRESS_EVERY_S."""
+        control = StepControl()
+        number = self.learner.step_count + 1
+        work = asyncio.ensure_future(asyncio.to_thread(self.learner.step, groups, gate=gate, control=control))
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
+            while not work.done():
+                await asyncio.wait({work, stopped}, timeout=PROGRESS_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+                if stopped.done():
+                    control.stop.set()
+                    await asyncio.wait({work})
+                elif not work.done():
+                    self.emit("info", {"message": f"learner step {number}: {control.describe()}"})
+        finally:
+            stopped.cancel()
+            if not work.done():  # cancelled from outside: the thread stops at its next check
+                control.stop.set()
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())  # its StepInterrupted is expected
+        try:
+            return await work
+        except StepInterrupted:
+            return None
 
     async def _report_status(self) -> None:
         while True:

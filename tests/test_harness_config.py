@@ -98,11 +98,36 @@ def test_configured_builtin_bundles_hold_the_same_packages():
     ({"name": "pi"}, "key 'name': 'pi' is a built-in harness"),
     ({"api": "grpc"}, "key 'api': invalid enum value 'grpc'"),
     ({"argv_": ["x"]}, "unknown key 'argv_'"),
+    ({"check": {"edit": "{{ file }}: {{ old }}"}}, "key 'check.edit': an edit needs {{ new }} too"),
+    ({"check": {"edit": "{{ model }} {{ file }} {{ old }} {{ new }}"}}, "key 'check.edit': unknown placeholder 'model'"),
+    ({"install": {"binary": "/usr/bin/env", "bin": "env"}}, "key 'install.sha256': the binary's sha256"),
+    ({"install": {"binary": "crush", "sha256": "0" * 64}}, "key 'install.binary': 'crush' is not an absolute path"),
+    ({"install": {"binary": "/usr/bin/env", "sha256": "0" * 64, "pip": ["a==1"]}}, "key 'install': one of npm"),
 ])
 def test_a_broken_definition_is_refused_naming_the_key(change, message):
     cfg = parse_config({"harness": {"name": "tiny", "define": tiny_agent() | change}})
     with pytest.raises(ConfigError, match="^" + re.escape(f"harness.define: {message}")):
         run_harness(cfg.harness)
+
+
+def test_a_binary_on_the_host_is_copied_into_the_bundle_only_with_its_pinned_hash(tmp_path):
+    import hashlib
+
+    from polar_fast.rollouts.harnesses import BundleError
+
+    cli = tmp_path / "crush"
+    cli.write_text("#!/bin/sh\necho crush 0.9.1\n")
+    cli.chmod(0o755)
+    pinned = hashlib.sha256(cli.read_bytes()).hexdigest()
+    definition = tiny_agent() | {"install": {"binary": str(cli), "sha256": pinned}}
+    harness = run_harness(parse_config({"harness": {"name": "tiny", "define": definition}}).harness)
+    bundle = harness.install(tmp_path / "bundles")
+    assert (bundle / "bin" / "crush").read_bytes() == cli.read_bytes()  # a copy: boxes cannot see the host path
+    assert json.loads((bundle / ".polar-bundle.json").read_text())["binary_sha256"] == pinned
+    cli.write_text("#!/bin/sh\necho another build\n")
+    with pytest.raises(BundleError, match=f"has sha256 [0-9a-f]{{64}}, not the pinned {pinned}"):
+        harness.install(tmp_path / "bundles-2")
+    assert not (tmp_path / "bundles-2").exists() or not any((tmp_path / "bundles-2").iterdir())
 
 
 def test_a_broken_definition_stops_the_cli_before_anything_starts(tmp_path, capsys):

@@ -48,7 +48,7 @@ class Learner:
     def __init__(self, version: int) -> None:
         self.version, self.step_count, self.trained = version, 0, []
 
-    def step(self, groups: list[GroupRecord], *, gate=None) -> StepMetrics:
+    def step(self, groups: list[GroupRecord], *, gate=None, control=None) -> StepMetrics:
         self.trained.append([c.rollout_id for g in groups for c in g.calls])
         self.step_count += 1
         self.version += 1

@@ -224,14 +224,17 @@ def copy_run(run_dir: Path, to: Path, *, reward: float | None = None) -> Path:
     return to
 
 
-def test_zero_variance_and_withheld_groups_say_they_did_not_train(run_dir, browser_required, tmp_path):
+def test_zero_variance_withheld_and_interrupted_groups_say_they_did_not_train(run_dir, browser_required, tmp_path):
     flat = copy_run(run_dir, tmp_path / "flat", reward=1.0)
     stale = copy_run(run_dir, tmp_path / "stale")
+    stopped = copy_run(run_dir, tmp_path / "stopped")
     [decision] = [json.loads(line) for line in (stale / "groups.jsonl").read_text().splitlines()]
     assert decision["status"] == "trained"  # what the real run wrote
     (stale / "groups.jsonl").write_text(json.dumps(decision | {"status": "withheld"}) + "\n")
+    (stopped / "groups.jsonl").write_text(json.dumps(decision | {"status": "interrupted"}) + "\n")
     rollout_id = next(iter(read_calls(run_dir)))
-    for run, words in ((flat, "zero-variance group"), (stale, "withheld")):
+    for run, words in ((flat, "zero-variance group"), (stale, "withheld"),
+                       (stopped, f"the run was stopped during learner step {decision['step']}, before its update")):
         with view_server(run) as url, chromium() as d:
             d.get(f"{url}rollouts/{rollout_id}")
             wait_ready(d)

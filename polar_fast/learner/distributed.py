@@ -63,7 +63,7 @@ class Learner(Protocol):
     world: int
     version: int
 
-    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None) -> Any: ...
+    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None, control: Any = None) -> Any: ...
 
     def weight_stream(self) -> Any: ...
 
@@ -140,9 +140,10 @@ class Leader:
     def _send(self, message: Message) -> None:
         _broadcast(message, self._group)
 
-    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None):
+    def step(self, groups: Sequence[GroupRecord], *, gate: Gate | None = None, control: Any = None):
+        """`control` shows rank 0's progress; a multi-rank step is not interruptible (step_control.py)."""
         self._send(Message(kind="step", groups=list(groups), gate=gate))
-        return self.learner.step(groups, gate=gate)
+        return self.learner.step(groups, gate=gate, control=control)
 
     async def sync_weights(self, sync: Any) -> None:
         """As Learner.sync_weights, with the gathering off the event loop."""

@@ -25,6 +25,11 @@ each chunk but the last under activation checkpointing, so (chunk, vocab) logits
 chunk at a time in forward and backward and full logits never materialise for a long sequence.
 The last chunk's backward follows right after its forward, so it is kept, not recomputed; the
 short remainder chunk goes first, so that the kept one is a full chunk.
+
+A step in progress can be watched and stopped (learner/step_control.py): while `control` is
+set, each decoder layer reports itself before its forward and, through a hook on its output,
+before its backward, and each logprob chunk checks too; a stop request raises StepInterrupted
+there, so a long micro-batch stops within one layer's time.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polar_fast.learner import packed_attention, packed_recurrence
+from polar_fast.learner.step_control import StepControl
 
 FLEX = "polar_fast_flex"  # transformers' flex_attention_forward, for classes that do not declare it
 FLEX_NAMES = ("flex_attention", FLEX)
@@ -153,6 +159,16 @@ class PackedLM(nn.Module):
         # (N,) the policy's entropy at each term's position, from the last forward (detached):
         # how sure the policy is where it sampled, a metric only (grpo: learner/entropy)
         self.entropy: torch.Tensor | None = None
+        self._control = _step_checks(lm)  # [StepControl | None], read by lm's layer hooks
+
+    @property
+    def control(self) -> StepControl | None:
+        """The step in progress (learner/step_control.py), set by the learner while a step runs."""
+        return self._control[0]
+
+    @control.setter
+    def control(self, value: StepControl | None) -> None:
+        self._control[0] = value
 
     def forward(
         self,
@@ -184,7 +200,9 @@ class PackedLM(nn.Module):
         n = rows.shape[0]
         bounds = [0, *range(n % chunk_tokens or chunk_tokens, n + 1, chunk_tokens)]  # a short chunk first
         parts = []
-        for start, stop in zip(bounds, bounds[1:]):
+        for chunk, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+            if self.control is not None:
+                self.control.at("logprob chunk", chunk, len(bounds) - 1)
             h, t = rows[start:stop], target[start:stop]
             if torch.is_grad_enabled() and stop < n:  # the last chunk's backward follows at once
                 parts.append(checkpoint(self._chunk_logprobs, head, h, t, use_reentrant=False))
@@ -200,6 +218,8 @@ class PackedLM(nn.Module):
     def _chunk_logprobs(self, head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """(2, chunk): the logprobs of the targets, and (detached) the entropy of each row's
         distribution. One tensor, so that activation checkpointing recomputes both alike."""
+        if self.control is not None:  # also when the backward recomputes a chunk
+            self.control.check()
         logits = head(h).float()  # (chunk, V): the only place logits exist
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -211,6 +231,34 @@ class PackedLM(nn.Module):
             lse = logits.gather(1, t[:, None])[:, 0] - logp.detach()
             entropy = lse - torch.einsum("nv,nv->n", p, logits)
         return torch.stack([logp, entropy])
+
+
+def _step_checks(lm: nn.Module) -> list[StepControl | None]:
+    """The one-element list [StepControl | None] that `lm`'s decoder layers report to: before
+    each layer's forward, and through a hook on its output, before its backward. Installed once
+    per model, however many wrappers it gets (the start-up packing check wraps it too)."""
+    slot = getattr(lm, "_polar_step_control", None)
+    if slot is None:
+        slot = [None]
+        layers = getattr(lm.get_decoder(), "layers", [])
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(_before_layer, slot, index, len(layers)))
+            layer.register_forward_hook(functools.partial(_after_layer, slot, index, len(layers)))
+        lm._polar_step_control = slot
+    return slot
+
+
+def _before_layer(slot: list, index: int, count: int, module: nn.Module, args: Any) -> None:  # noqa: ARG001 - hook
+    if slot[0] is not None:
+        slot[0].at("forward layer", index, count)
+
+
+def _after_layer(slot: list, index: int, count: int, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG001
+    hidden = output[0] if isinstance(output, tuple) else output
+    control = slot[0]
+    if control is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        # the gradient reaching this layer's output: its backward is next
+        hidden.register_hook(lambda grad: control.at("backward layer", index, count))
 
 
 def batch_tensors(batch: Any, terms: Terms, device: torch.device | str) -> dict[str, torch.Tensor]:

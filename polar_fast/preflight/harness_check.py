@@ -3,28 +3,35 @@ harness train exactly? Answered by running it, before anyone spends GPU hours on
 
 The harness (built-in, declared in the run's [harness], or declared in FILE) runs once on a
 tiny built-in task, through the same bundle install, sandbox, pools and capture proxy as
-training, with a scripted engine in place of the model. The engine walks it through a fixed
-script, picking its step by how many tool results the prompt holds (so a CLI's side calls, such
-as a title, get an answer too), and finds the harness's shell tool in the tool schemas the
-proxy rendered into the prompt:
+training, with a scripted engine in place of the model (preflight/check_model.py). It acts the
+way the harness does: through its shell tool (found by schema in any request, every required
+argument filled), or, for a text-edit agent without tools, through edits in its own text format
+(the definition's `[check] edit`):
 
-1. reasoning, a sentence, and a shell call `echo polar-check-$((6*7))`: only a run command
-   prints `polar-check-42`, so seeing it in a later prompt proves the tool call round-tripped;
-2. a second shell call that applies the task's fix;
+1. a first action whose effect only a working harness shows back: the shell call
+   `echo polar-check-$((6*7))` (`polar-check-42` is printed only if it ran), or an edit creating
+   polar-check.txt holding `polar-check-42`;
+2. the task's fix: a shell call applying its patch, or one edit per hunk;
 3. the end of the task: the harness's `end_command` through the shell tool where it has one
    (mini-swe-agent's submit), else a plain final answer.
 
-The lines, each pass, fail or n/a with its evidence (preflight.Item):
+The lines, each pass, fail or n/a with its evidence (preflight.Item), each said from what was
+observed:
 - proxy: it reached the proxy; which dialect, streamed or not;
-- context: compaction (harnesses with a threshold: a second run with a window just above its
-  first request and a step-1 reply that fills it; it must send a prompt that no longer holds
-  the whole conversation); n/a for a harness that never compacts;
-- tool call: recognised and run, its output back in the next request;
-- history: every continuation came back token-exact (the proxy reused the sampled ids). If not:
-  the first differing token, what the harness changed in the reply it resent (reasoning dropped,
-  tool call rewritten, whitespace, text), and the cost (the merge's breaks and the sampled tokens
-  that then come back only as prompt);
-- end: the harness ended by itself (exit 0) and the rollout was scored.
+- context (check_calls.py): harnesses with a compaction threshold get a second run with a window
+  just above their first request and a first reply that fills it; a later request of the main
+  conversation must have compacted: the same system prompt with the conversation shortened, or
+  a summary request followed by a conversation that starts again from the summary. Side calls
+  (a title, a small-model request: they share little of the main prompt) are named, never
+  counted. n/a without a threshold, saying what the run showed;
+- tool call: the shell call ran and its output came back in a later request; for a text-edit
+  agent, the edit was applied (the box holds the file after the run) and the file's text came
+  back in a later request outside the model's own turns;
+- history (check_calls.py): every continuation came back token-exact (the proxy reused the
+  sampled ids). If not: the first differing token, against the prompt's length (before any
+  sampled token: the harness rebuilt its prompt), what changed, and what it costs the merge;
+- end: the harness exited 0 by itself and the rollout scored reward 1.0 (the fix passed the
+  task's tests); anything else fails, with the changes the repo held after the run.
 The check runs with `proxy.history` as configured (exact by default), on a local sandbox unless
 the config says docker, and tells the proxy the model takes a million tokens (a CLI's system
 prompt and tool schemas outgrow a small model's window; the scripted engine has none).
@@ -33,28 +40,22 @@ prompt and tool schemas outgrow a small model's window; the scripted engine has 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import msgspec
 
 from polar_fast.config import Config
-from polar_fast.engines import Generation, Sampling
-from polar_fast.preflight import Item, failed, not_applicable, passed
+from polar_fast.preflight import Item, failed, passed
+from polar_fast.preflight.check_calls import AREA, compaction_item, context_not_measured, history_item
+from polar_fast.preflight.check_model import MARK_COMMAND, MARK_FILE, MARK_OUTPUT, CheckEngine
 from polar_fast.records import CallRecord, ExchangeRecord, Outcome, RolloutRecord
 
-AREA = "harness"
-MARK_COMMAND = "echo polar-check-$((6*7))"
-MARK_OUTPUT = "polar-check-42"  # only running MARK_COMMAND prints this
 CHECK_CONTEXT = 1_000_000
-FILL_TOKENS = 600  # how far past the compaction threshold the compaction run's reply goes
 RUN_TIMEOUT_S = 240.0
-_SHELL_NAMES = ("bash", "shell", "exec", "command", "terminal", "run")
-_SHELL_ARGS = ("command", "cmd", "script")
+_SEPARATOR = "----polar-check-status----"
 
 
 class CheckReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,95 +70,41 @@ class CheckReport(msgspec.Struct, frozen=True, kw_only=True):
         return not any(i.status == "fail" for i in self.items)
 
 
-# --------------------------------------------------------------------------- the scripted model
-
-
-def shell_tool(prompt_text: str) -> tuple[str, str] | None:
-    """(tool name, command argument) of the shell tool among the schemas rendered in the prompt."""
-    block = re.search(r"<tools>\n(.*?)\n</tools>", prompt_text, re.S)
-    if block is None:
-        return None
-    found = []
-    for line in block.group(1).splitlines():
-        try:
-            schema = json.loads(line)
-        except ValueError:
-            continue
-        fn = schema.get("function", schema)
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        arg = next((a for a in _SHELL_ARGS if a in props), None)
-        if arg is not None:
-            found.append((not any(s in fn.get("name", "").lower() for s in _SHELL_NAMES), fn["name"], arg))
-    return (min(found)[1], min(found)[2]) if found else None
-
-
-def _call(tool: tuple[str, str], command: str) -> str:
-    return "<tool_call>\n" + json.dumps([{"name": tool[0], "arguments": {tool[1]: command}}]) + "\n</tool_call>"
-
-
-class CheckEngine:
-    """The scripted model of the module docstring; `fill` pads step 1's reply (compaction run)."""
-
-    def __init__(self, tokenizer, *, fix_patch: str, end_command: str = "", fill_tokens: int = 0) -> None:
-        self.policy_version = 0
-        self.tokenizer = tokenizer
-        self.fix = f"git apply <<'POLAR_EOF'\n{fix_patch}POLAR_EOF"
-        self.end_command = end_command
-        self.fill = " ".join(["context"] * fill_tokens)
-        self.filled = ""  # the fill once sent: a prompt without it is compacted, and the task ends
-        self.prompts: list[str] = []
-        self.first_prompt_tokens = 0  # the longest prompt answered with step 1 (the main first request)
-
-    def reply(self, text: str) -> str:
-        tool = shell_tool(text)
-        steps = text.count("<|im_start|>user\n<tool_response>")
-        if tool is None:
-            return "Done: nothing to do without a shell tool."
-        if self.filled and self.filled not in text:
-            steps = 2  # compacted: end the task rather than start over (it might compact again)
-        if steps == 0:
-            fill, self.filled = (f" {self.fill}", self.fill) if self.fill and not self.filled else ("", self.filled)
-            return ("<think>\nFirst I look at the repository.\n</think>\nI'll look at the repository first."
-                    f"{fill}\n" + _call(tool, MARK_COMMAND))
-        if steps == 1:
-            return "Now I apply the fix.\n" + _call(tool, self.fix)
-        if self.end_command:
-            return "Submitting.\n" + _call(tool, self.end_command)
-        return "Done: the fix is applied."
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, *, session_id: str = "") -> Generation:
-        text = await asyncio.to_thread(self.tokenizer.decode, list(prompt_ids))
-        self.prompts.append(text)
-        if "<|im_start|>user\n<tool_response>" not in text:
-            self.first_prompt_tokens = max(self.first_prompt_tokens, len(prompt_ids))
-        reply = self.reply(text)
-        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        ids = ids[: sampling.max_tokens]
-        return Generation(token_ids=ids, logprobs=[-0.01] * len(ids),
-                          finish_reason="stop" if len(ids) < sampling.max_tokens else "length")
-
-    async def update_weights(self, named_tensors, *, version: int) -> None:
-        self.policy_version = version
-
-    async def aclose(self) -> None:
-        pass
-
-
 # --------------------------------------------------------------------------- running it
 
 
+class AfterRun(msgspec.Struct, frozen=True, kw_only=True):
+    """The task repo as the harness left it, read in the box before the tests run."""
+
+    mark: str | None  # MARK_FILE's text; None when there is no such file
+    changes: str  # `git status --short`
+
+
 class _Watched:
-    """The harness agent, keeping its AgentResult (the pools keep only the rollout record)."""
+    """The harness agent, keeping its AgentResult (the pools keep only the rollout record) and
+    what the repo holds when it ends."""
 
     def __init__(self, agent) -> None:
-        self.agent, self.name, self.result = agent, agent.name, None
+        self.agent, self.name, self.result, self.after = agent, agent.name, None, None
 
     def spec(self, task, rollout_id: str):
         return self.agent.spec(task, rollout_id)
 
     async def run(self, box, task, **kw):
         self.result = await self.agent.run(box, task, **kw)
+        self.after = await _look(box)
         return self.result
+
+
+async def _look(box) -> AfterRun | None:
+    script = (f"cat {MARK_FILE} 2>/dev/null || printf '%s' '{_SEPARATOR}missing'; echo '{_SEPARATOR}'; "
+              "git status --short")
+    try:
+        done = await box.exec(["sh", "-c", script], cwd=box.workdir, timeout_s=30)
+    except Exception:  # noqa: BLE001 - a box that died: the pools report it; the lines say "unknown"
+        return None
+    mark, _, changes = done.stdout.rpartition(f"{_SEPARATOR}\n")
+    return AfterRun(mark=None if mark == f"{_SEPARATOR}missing" else mark, changes=changes.strip())
 
 
 class _Run(msgspec.Struct, kw_only=True):
@@ -165,6 +112,7 @@ class _Run(msgspec.Struct, kw_only=True):
     result: Any  # AgentResult | None
     calls: list[CallRecord]
     exchanges: list[ExchangeRecord]
+    after: AfterRun | None = None
 
 
 def checking_config(cfg: Config, target: str) -> Config:
@@ -180,7 +128,7 @@ def checking_config(cfg: Config, target: str) -> Config:
              proxy=s(cfg.proxy, port=0, unix_socket=""), pools=pools, tasks=s(cfg.tasks, reward="binary"))
 
 
-async def _run_once(cfg: Config, engine: CheckEngine, task) -> _Run:
+async def run_once(cfg: Config, engine: CheckEngine, task) -> _Run:
     from polar_fast.pools import Pools
     from polar_fast.records import read_log
     from polar_fast.rollouts.stack import open_rollouts
@@ -200,7 +148,7 @@ async def _run_once(cfg: Config, engine: CheckEngine, task) -> _Run:
         await asyncio.to_thread(shutil.rmtree, work, True)
     member = groups[0].rollouts[0] if groups and groups[0].rollouts else None
     return _Run(record=member.record if member else None, result=watched.result,
-                calls=list(member.calls) if member else [], exchanges=log.exchanges)
+                calls=list(member.calls) if member else [], exchanges=log.exchanges, after=watched.after)
 
 
 async def check_harness(cfg: Config, target: str) -> CheckReport:
@@ -216,19 +164,20 @@ async def check_harness(cfg: Config, target: str) -> CheckReport:
     harness = await asyncio.to_thread(run_harness, cfg.harness)  # a bad definition stops here
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
     task = (await asyncio.to_thread(load_builtin))[0]
-    end_command = getattr(harness, "end_command", "") or ""
-    engine = CheckEngine(tokenizer, fix_patch=task.patch, end_command=end_command)
-    run = await _run_once(cfg, engine, task)
+    acting = dict(fix_patch=task.patch, end_command=getattr(harness, "end_command", "") or "",
+                  edit_reply=getattr(harness, "edit_reply", None))
+    engine = CheckEngine(tokenizer, **acting)
+    run = await run_once(cfg, engine, task)
     declared = getattr(getattr(harness, "definition", None), "api", "")  # a configured harness names its API
-    items = [proxy_item(run, declared), None, tool_item(run, engine), history_item(run, tokenizer), end_item(run)]
+    items = [proxy_item(run, declared), None, tool_item(run, engine), history_item(run.calls, run.exchanges, tokenizer),
+             end_item(run, engine)]
     limits = ModelLimits(context_tokens=CHECK_CONTEXT, max_output_tokens=cfg.sampling.max_tokens)
     if harness.compaction_threshold(limits) is None:
-        items[1] = not_applicable(AREA, "context", f"{harness.name} never compacts: it has no context setting, "
-                                  "its prompt only grows (a run that outgrows the window ends on the context error)")
+        items[1] = context_not_measured(harness.name, run.calls, CHECK_CONTEXT)
     elif not run.calls:
         items[1] = failed(AREA, "context", "not measured: no model call", "make the proxy line pass first")
     else:
-        items[1] = await compaction_item(cfg, harness, task, tokenizer, engine.first_prompt_tokens, end_command)
+        items[1] = await compaction_item(cfg, harness, task, tokenizer, engine.first_prompt_tokens, acting, run_once)
     return CheckReport(harness=harness.name, items=items, calls=len(run.calls),
                        exit_code=run.result.exit_code if run.result else -1,
                        duration_s=round(time.perf_counter() - started, 1))
@@ -253,101 +202,58 @@ def proxy_item(run: _Run, declared: str = "") -> Item:
                   f"({seen} requests)")
 
 
+def _shown_in(run: _Run, text: str) -> ExchangeRecord | None:
+    """The first request that shows `text` outside the model's own turns."""
+    for e in sorted(run.exchanges, key=lambda e: e.call_index):
+        if any(text in m.content for m in e.messages if m.role != "assistant"):
+            return e
+    return None
+
+
 def tool_item(run: _Run, engine: CheckEngine) -> Item:
-    if any(MARK_OUTPUT in m.content for e in run.exchanges for m in e.messages if m.role != "assistant"):
-        return passed(AREA, "tool call", f"`{MARK_COMMAND}` ran: {MARK_OUTPUT!r} came back in the next request")
     if not run.calls:
         return failed(AREA, "tool call", "not reached: no model call", "make the proxy line pass first")
-    tools = shell_tool(engine.prompts[0]) if engine.prompts else None
-    if tools is None:
-        return failed(AREA, "tool call", "its requests offer no shell tool (a tool with a `command` or `cmd` "
-                      "argument) in a schema the proxy rendered", "check the harness sends its tools")
-    return failed(AREA, "tool call", f"the call of {tools[0]!r} was never answered with its output "
+    tool = engine.tool
+    if tool is None and engine.edit_reply is not None:
+        return edit_item(run, engine)
+    shown = _shown_in(run, MARK_OUTPUT)
+    if tool is not None and shown is not None:
+        filled = f", and its required {', '.join(tool.required)} filled from its schema" if tool.required else ""
+        return passed(AREA, "tool call", f"`{tool.name}` called with {tool.command_arg} = `{MARK_COMMAND}`{filled}: "
+                      f"{MARK_OUTPUT!r} came back in call {shown.call_index}")
+    if tool is None:
+        return failed(AREA, "tool call", f"none of its {len(engine.prompts)} requests offers a shell tool (a tool with a "
+                      "`command`, `cmd` or `script` argument) in a schema the proxy rendered, and its definition has "
+                      "no [check] edit reply", "check the harness sends its tools; a CLI that edits files from its "
+                      "replies declares how in [check] edit (docs/harnesses.md)")
+    sent = tool.call(MARK_COMMAND).split("\n")[1]
+    return failed(AREA, "tool call", f"the call {sent} was never answered with its output "
                   f"(causes: {run.result.causes if run.result else {}})",
                   "check the harness parses the dialect's tool calls (see the proxy line)")
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def edit_item(run: _Run, engine: CheckEngine) -> Item:
+    """A text-edit agent's tool call line: its edit reply was applied, and shown back."""
+    after = run.after
+    sends = engine.sent["first"]
+    if after is None:
+        return failed(AREA, "tool call", "unknown: the box could not be read after the run", "see the end line")
+    if after.mark is None or MARK_OUTPUT not in after.mark:
+        held = "does not exist" if after.mark is None else f"holds {after.mark[:60]!r}"
+        return failed(AREA, "tool call", f"the edit reply creating {MARK_FILE} (sent {sends} times) was not applied: "
+                      f"after the run {MARK_FILE} {held}; the repo's changes: {after.changes.replace(chr(10), ', ') or 'none'}",
+                      "write [check] edit in the format the CLI applies (a file to create has old text \"\")")
+    shown = _shown_in(run, MARK_OUTPUT)
+    if shown is None:
+        return failed(AREA, "tool call", f"the edit reply was applied ({MARK_FILE} holds {MARK_OUTPUT!r} after the "
+                      f"run), but none of its {len(run.calls)} requests showed that back: the model never saw the "
+                      "effect of its edit", "make the CLI send another request after an edit, holding the file or "
+                      "what the edit did (aider: --auto-test with a --test-cmd that reports the changes)")
+    return passed(AREA, "tool call", f"the edit reply was applied ({MARK_FILE} holds {MARK_OUTPUT!r} after the run) "
+                  f"and call {shown.call_index} showed it back, outside the model's own turns")
 
 
-def history_item(run: _Run, tokenizer) -> Item:
-    calls = run.calls
-    pairs = []  # (i, j, tokens in common): call j continues call i's conversation
-    for j in range(1, len(calls)):
-        joined = [list(c.prompt_ids) + list(c.completion_ids) for c in calls[:j]]
-        common = [_common(p, calls[j].prompt_ids) for p in joined]
-        i = max(range(j), key=lambda k: common[k])
-        if common[i] > len(calls[i].prompt_ids) // 2:  # shares most of it: a continuation, not a side call
-            pairs.append((i, j, common[i]))
-    if not pairs:
-        return failed(AREA, "history", f"no call continued an earlier one ({len(calls)} calls)",
-                      "the harness must resend its conversation (see the tool call line)")
-    broken = [(i, j, k) for i, j, k in pairs if k < len(calls[i].prompt_ids) + len(calls[i].completion_ids)]
-    if not broken:
-        return passed(AREA, "history", f"{len(pairs)} continuations token-exact: each prompt starts with the "
-                      "previous prompt + its sampled ids")
-    i, j, k = broken[0]
-    expected = list(calls[i].prompt_ids) + list(calls[i].completion_ids)
-    got = calls[j].prompt_ids
-    want_text = tokenizer.decode(expected[k:k + 12])
-    got_text = tokenizer.decode(list(got[k:k + 12]))
-    lost = len(calls[i].completion_ids) - max(0, k - len(calls[i].prompt_ids))
-    change = describe_change(run.exchanges, calls[i], calls[j])
-    cost = merge_cost(calls)
-    return failed(AREA, "history",
-                  f"call {j} re-renders call {i}: first differing token at {k} (sampled {want_text!r}, "
-                  f"sent back {got_text!r}; proxy: {calls[j].history}); the harness changed: {change}; "
-                  f"cost: {cost}, {lost} of call {i}'s {len(calls[i].completion_ids)} sampled tokens come back "
-                  "only as prompt",
-                  "resend the assistant turn as it was answered (content, reasoning, tool calls)")
-
-
-def describe_change(exchanges: list[ExchangeRecord], a: CallRecord, b: CallRecord) -> str:
-    """What call b's request did to call a's reply, from the canonical conversations."""
-    by_index = {(e.session_id, e.call_index): e for e in exchanges}
-    ea, eb = by_index.get((a.session_id, a.call_index)), by_index.get((b.session_id, b.call_index))
-    if ea is None or eb is None:
-        return "unknown (no exchange records)"
-    reply = ea.reply
-    sent = eb.messages[len(ea.messages)] if len(eb.messages) > len(ea.messages) else None
-    if sent is None or sent.role != "assistant":
-        return "the reply is missing from the resent conversation"
-    changes = []
-    if reply.reasoning and not sent.reasoning:
-        changes.append("reasoning dropped")
-    if [(c.name, _json(c.arguments)) for c in reply.tool_calls] != [(c.name, _json(c.arguments)) for c in sent.tool_calls]:
-        changes.append("tool call rewritten")
-    if reply.content != sent.content:
-        same = reply.content.split() == sent.content.split()
-        changes.append("whitespace changed" if same else f"text changed ({reply.content[:40]!r} -> {sent.content[:40]!r})")
-    if [m.role for m in eb.messages[: len(ea.messages)]] != [m.role for m in ea.messages] or any(
-            x.content != y.content for x, y in zip(eb.messages, ea.messages)):
-        changes.append("earlier messages edited")
-    return ", ".join(changes) or "nothing in the canonical messages (a rendering difference)"
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def merge_cost(calls: list[CallRecord]) -> str:
-    from polar_fast.merge import merge
-
-    stats = merge(calls, layout="tree").stats
-    return (f"the merge breaks {stats.n_breaks} times (in_completion {stats.in_completion}, in_prompt "
-            f"{stats.in_prompt}, new_root {stats.new_root}) and forwards {stats.n_nodes} tokens for "
-            f"{stats.n_samples} sampled")
-
-
-def end_item(run: _Run) -> Item:
+def end_item(run: _Run, engine: CheckEngine) -> Item:
     record, result = run.record, run.result
     if record is None or result is None:
         return failed(AREA, "end", "the rollout never finished", "see the proxy line")
@@ -356,41 +262,14 @@ def end_item(run: _Run) -> Item:
         return failed(AREA, "end", f"{record.outcome.value}: {record.error}; output: {tail}",
                       "the harness must exit 0 when the model ends the task (set end_command if it ends by a "
                       "command)")
-    return passed(AREA, "end", f"exit 0 after {len(run.calls)} calls; scored: reward {record.reward} "
-                  f"(the fix was applied{'' if record.reward else ' but the tests did not pass'})")
-
-
-async def compaction_item(cfg: Config, harness, task, tokenizer, first: int, end_command: str) -> Item:
-    """A second run whose window puts the compaction threshold just past the first request, with a
-    step-1 reply FILL_TOKENS past it: a later request must no longer hold the whole conversation."""
-    from polar_fast.rollouts.harnesses import ModelLimits
-
-    out = max(cfg.sampling.max_tokens, 2048)  # room for the filling reply
-    window = first + out
-    while harness.compaction_threshold(ModelLimits(context_tokens=window, max_output_tokens=out)) < first + 200:
-        window += 256
-    threshold = harness.compaction_threshold(ModelLimits(context_tokens=window, max_output_tokens=out))
-    s = msgspec.structs.replace
-    small = s(cfg, model=s(cfg.model, max_context_tokens=window), sampling=s(cfg.sampling, max_tokens=out))
-    engine = CheckEngine(tokenizer, fix_patch=task.patch, end_command=end_command,
-                         fill_tokens=threshold - first + FILL_TOKENS)
-    calls = (await _run_once(small, engine, task)).calls
-    evidence = f"told window {window:,} and output cap {out:,} (threshold {threshold:,})"
-    filled = next((c for c in calls if len(c.prompt_ids) + len(c.completion_ids) > threshold), None)
-    if filled is None:
-        return failed(AREA, "context", f"{evidence}; the filling reply never took a call past it "
-                      f"({len(calls)} calls)", "see the tool call line")
-    joined = list(filled.prompt_ids) + list(filled.completion_ids)
-    after = [c for c in calls if c.call_index > filled.call_index]
-    compacted = [c for c in after if _common(joined, c.prompt_ids) < len(filled.prompt_ids)]
-    evidence += f"; call {filled.call_index} reached {len(joined):,} tokens"
-    if compacted:
-        c = compacted[0]
-        return passed(AREA, "context", f"{evidence}; call {c.call_index} ({len(c.prompt_ids):,} prompt tokens) "
-                      "no longer holds the whole conversation: it compacted")
-    return failed(AREA, "context", f"{evidence}; the {len(after)} calls after it all still hold it: no compaction",
-                  "tell the harness the window and output cap ({{ context_window }}, {{ max_output_tokens }}) "
-                  "where it reads them")
+    if record.reward == 1.0:
+        return passed(AREA, "end", f"exit 0 after {len(run.calls)} calls; scored: reward 1.0 (the task's tests pass)")
+    fixes = engine.sent["fix"]
+    sent = f"the scripted fix was sent {fixes} time(s)" if fixes else "the scripted fix was never sent"
+    changes = run.after.changes.replace("\n", ", ") if run.after else "unknown"
+    return failed(AREA, "end", f"exit 0 after {len(run.calls)} calls, but reward {record.reward}: the task's tests "
+                  f"do not pass; {sent}, and after the run the repo's changes were: {changes or 'none'}",
+                  "see the tool call line: the fix must reach the repo through the harness")
 
 
 def format_report(report: CheckReport) -> str:

@@ -77,7 +77,8 @@ class MetricsWriter:
         return await asyncio.to_thread(self.write_sync, step, values)
 
     def write_groups_sync(self, step: int, statuses: list[tuple[str, str]]) -> None:
-        """(group_id, "trained" | "withheld") for the groups learner step `step` took or withheld."""
+        """(group_id, "trained" | "withheld" | "skipped" | "interrupted") for the groups learner step
+        `step` took, withheld, skipped, or had when a stop request interrupted it."""
         with self.groups_path.open("a") as f:
             f.writelines(json.dumps({"step": step, "group_id": g, "status": s}) + "\n" for g, s in statuses)
 

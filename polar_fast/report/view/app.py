@@ -169,6 +169,9 @@ def group_status(members: list[RolloutRow], decision: dict | None) -> dict[str, 
     elif abandoned and status != "trained":
         text, trained = (f"did not train: the run ended before the group finished ({len(abandoned)} of its "
                          "rollouts abandoned)"), False
+    elif status == "interrupted":
+        text, trained = (f"did not train: the run was stopped during learner step {decision.get('step')}, before "
+                         "its update"), False
     elif status == "withheld":
         text, trained = (f"did not train: withheld, its calls were more than run.max_staleness policy versions "
                          f"behind the learner (step {decision.get('step')})"), False

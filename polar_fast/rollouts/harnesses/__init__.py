@@ -39,8 +39,9 @@ class AgentCommand(msgspec.Struct, frozen=True, kw_only=True):
 
 class Harness(Protocol):
     name: str  # "mini-swe-agent" | "codex" | "claude-code" | "qwen-code" | "pi" | a configured one
-    # optional attributes: format_error_markers (texts that mark a rejected reply) and
-    # end_command (the shell command that ends its task, for `harnesses check`)
+    # optional attributes: format_error_markers (texts that mark a rejected reply), and for
+    # `harnesses check` end_command (the shell command that ends its task) and
+    # edit_reply(file, old, new) (a CLI without tools: one file edit in its reply format)
 
     def install(self, bundle_root: Path) -> Path:
         """Build (or find cached) this harness's bundle under bundle_root; returns the bundle dir."""

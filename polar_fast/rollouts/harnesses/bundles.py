@@ -186,6 +186,38 @@ def install_npm_harness(bundle_root: Path, name: str, packages: dict[str, str], 
     return build_bundle(bundle_root, name, spec, build, [f"bin/{bin_name}", *(check_args or ["--version"])])
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def install_binary_harness(bundle_root: Path, name: str, binary: Path, sha256: str, bin_name: str,
+                           *, check_args: list[str] | None = None) -> Path:
+    """Bundle = a prebuilt executable from the host, copied to `bin/<bin_name>` (a copy: the
+    bundle is mounted into boxes that cannot see the host path) once its sha256 is `sha256`.
+    The hash is part of the bundle key, so a new build of the CLI is a new bundle."""
+    if not binary.is_file():
+        raise BundleError(f"{name}: install.binary {binary} is not a file on this host")
+    found = file_sha256(binary)
+    if found != sha256:
+        raise BundleError(f"{name}: install.binary {binary} has sha256 {found}, not the pinned {sha256}: "
+                          "pin the new hash (install.sha256) if this build is the one to use")
+
+    def build(tmp: Path) -> None:
+        target = tmp / "bin" / bin_name
+        target.parent.mkdir(parents=True)
+        shutil.copy2(binary, target)
+        target.chmod(0o755)
+        if file_sha256(target) != sha256:  # changed between the check and the copy
+            raise BundleError(f"{name}: {binary} changed while it was copied")
+
+    spec = {"binary_sha256": sha256, "bin": bin_name, "arch": platform.machine()}
+    return build_bundle(bundle_root, name, spec, build, [f"bin/{bin_name}", *(check_args or ["--version"])])
+
+
 def python_for_bundles() -> str:
     """An interpreter of the container's Python minor version on this host, to install with."""
     found = shutil.which(f"python{PYTHON_VERSION}")

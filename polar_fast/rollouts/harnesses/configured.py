@@ -2,13 +2,23 @@
 `harness.file` (or `harnesses check FILE`) names, with the same keys at its top level.
 
 A definition is data for the three things an adapter knows (harnesses/__init__.py): the install
-(pinned npm or PyPI packages, built into a cached bundle as the built-in five's are), the command
-line, environment and HOME files, and the texts that mark a format error. Values are templates:
-`{{ name }}` is a placeholder (PLACEHOLDERS), and `{{ expression }}` is integer arithmetic over
-the integer ones (`+ - * //`, parentheses, `min`, `max`), enough for compaction thresholds such
-as Pi's. A `json_files` entry is written as JSON (its keys are templates too); a string in it
-that is one integer placeholder or expression becomes a JSON number. Conditionals and float formatting are out of reach (Claude
-Code's compaction override needs both): such a harness stays code.
+(pinned npm or PyPI packages built into a cached bundle as the built-in five's are, or a prebuilt
+executable on the host, pinned by its sha256), the command line, environment and HOME files, and
+the texts that mark a format error. Values are templates: `{{ name }}` is a placeholder
+(PLACEHOLDERS), and `{{ expression }}` is integer arithmetic over the integer ones (`+ - * //`,
+parentheses, `min`, `max`, unary minus), enough for compaction thresholds such as Pi's. A
+`json_files` entry is written as JSON (its keys are templates too); a string in it that is one
+integer placeholder or expression becomes a JSON number.
+
+What that arithmetic can express: every value it yields is an integer, so a fraction is out of
+reach (Claude Code's `CLAUDE_AUTOCOMPACT_PCT_OVERRIDE` wants two decimals: that harness stays
+code). A switch on a threshold is not: `min(1, context_window // T)` is 1 when the window is at
+least T and 0 below it, so `a + (b - a) * min(1, context_window // T)` picks a or b (for windows
+of at least 1; `max(0, ...)` clamps the rest).
+
+`[check]` tells `harnesses check` how a CLI without a shell tool acts (a text-edit agent such as
+aider): `edit`, a reply that edits a file in the CLI's own text format, with its placeholders
+`{{ file }}`, `{{ old }}` and `{{ new }}` (CHECK_PLACEHOLDERS; `old` is empty for a file to create).
 
 `load_definition` checks everything before anything runs and raises ConfigError with one line
 naming the key: unknown keys, an unknown placeholder, a bad expression, a missing command, an
@@ -31,6 +41,7 @@ from polar_fast.rollouts.harnesses import AgentCommand, ModelLimits
 from polar_fast.rollouts.harnesses.bundles import (
     PYTHON_VERSION,
     build_bundle,
+    install_binary_harness,
     install_npm_harness,
     pip_install_target,
     python_module_wrapper,
@@ -40,6 +51,8 @@ from polar_fast.rollouts.harnesses.env import base_env
 
 INT_PLACEHOLDERS = ("context_window", "max_output_tokens", "max_steps")
 PLACEHOLDERS = ("proxy_url", "proxy_url_v1", "api_key", "model", "prompt", "bundle", "home", *INT_PLACEHOLDERS)
+CHECK_PLACEHOLDERS = ("file", "old", "new")  # [check] edit: the file to edit, its text before and after
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.S)
 _NPM_VERSION = re.compile(r"^\d+\.\d+\.\d+(-[0-9A-Za-z.-]+)?$")  # exact: no ranges, tags or `latest`
 _PIP_PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?==[0-9][0-9A-Za-z.+!-]*$")
@@ -51,10 +64,18 @@ _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lamb
 class Install(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     npm: dict[str, str] = {}  # package -> exact version; the bundle gets Node unless `node = false`
     pip: list[str] = []  # "name==version" requirements, installed for the box's python3.11
-    bin: str = ""  # the entry point made at <bundle>/bin/<bin>: node_modules/.bin/<bin> (npm) or `module` (pip)
+    binary: str = ""  # a prebuilt executable on the host (absolute path), copied into the bundle as bin/<bin>
+    sha256: str = ""  # binary: its sha256 (hex); the bundle is refused when the file differs
+    bin: str = ""  # the entry point made at <bundle>/bin/<bin>: node_modules/.bin/<bin> (npm), `module` (pip), the binary
     module: str = ""  # pip: the module `bin/<bin>` runs (as `python -m`), e.g. "minisweagent.run.mini"
     node: bool = True  # npm: bundle Node (false for CLIs that ship a native binary)
     check: list[str] = msgspec.field(default_factory=lambda: ["--version"])  # arguments that must make `bin/<bin>` exit 0 on a new bundle
+
+
+class CheckReplies(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """How `harnesses check`'s scripted model acts in a CLI that offers no shell tool."""
+
+    edit: str = ""  # one file edit in the CLI's text format: {{ file }}, {{ old }} ("" = create it), {{ new }}
 
 
 class HarnessDefinition(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -68,6 +89,7 @@ class HarnessDefinition(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     format_error_markers: list[str] = []  # texts in its next request that mean it rejected a reply's format
     compaction_threshold: str = ""  # prompt tokens at which it compacts, as an expression; "" = never
     end_command: str = ""  # harnesses check: a shell command that ends its task (mini's submit); "" = a plain answer
+    check: CheckReplies = CheckReplies()  # harnesses check: how the scripted model acts without a shell tool
 
 
 def load_definition(hc: HarnessConfig, *, reserved: tuple[str, ...] = ()) -> HarnessDefinition | None:
@@ -110,6 +132,15 @@ def parse_definition(raw: dict[str, Any], *, where: str, reserved: tuple[str, ..
             _expression(d.compaction_threshold)
         except ValueError as e:
             raise ConfigError(f"{where}: key 'compaction_threshold': {e}") from None
+    if d.check.edit:
+        try:
+            parts = _parts(d.check.edit, names=CHECK_PLACEHOLDERS)
+        except ValueError as e:
+            raise ConfigError(f"{where}: key 'check.edit': {e}") from None
+        used = {p.id for p in parts if isinstance(p, ast.Name)}
+        if used != set(CHECK_PLACEHOLDERS):
+            missing = ", ".join(f"{{{{ {n} }}}}" for n in CHECK_PLACEHOLDERS if n not in used)
+            raise ConfigError(f"{where}: key 'check.edit': an edit needs {missing} too")
     return d
 
 
@@ -120,8 +151,15 @@ def _check_install(install: Install, where: str) -> None:
     for i, req in enumerate(install.pip):
         if not _PIP_PIN.match(req):
             raise ConfigError(f"{where}: key 'install.pip[{i}]': {req!r} is not pinned (name==version)")
-    if install.npm and install.pip:
-        raise ConfigError(f"{where}: key 'install': npm or pip packages, not both")
+    if sum(map(bool, (install.npm, install.pip, install.binary))) > 1:
+        raise ConfigError(f"{where}: key 'install': one of npm packages, pip packages or a binary")
+    if install.binary and not Path(install.binary).is_absolute():
+        raise ConfigError(f"{where}: key 'install.binary': {install.binary!r} is not an absolute path")
+    if install.binary and not _SHA256.match(install.sha256):
+        raise ConfigError(f"{where}: key 'install.sha256': the binary's sha256 (64 hex digits) is needed to pin it "
+                          f"(sha256sum {install.binary})")
+    if install.sha256 and not install.binary:
+        raise ConfigError(f"{where}: key 'install.sha256': set only with install.binary")
     if (install.npm or install.pip) and not install.bin:
         raise ConfigError(f"{where}: key 'install.bin': missing: the entry point to put in the bundle's bin/")
     if install.pip and not install.module:
@@ -143,16 +181,19 @@ def _json_strings(value: Any, key: str):
 # ------------------------------------------------------------------------------ templates
 
 
-def _expression(text: str) -> ast.expr:
-    """The checked AST of one placeholder or integer expression (ValueError names what is wrong)."""
+def _expression(text: str, names: tuple[str, ...] = PLACEHOLDERS) -> ast.expr:
+    """The checked AST of one placeholder (one of `names`) or integer expression (ValueError
+    names what is wrong)."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
         raise ValueError(f"{{{{{text}}}}} is neither a placeholder nor an expression") from None
     if isinstance(tree, ast.Name):
-        if tree.id not in PLACEHOLDERS:
-            raise ValueError(f"unknown placeholder {tree.id!r}; known: {', '.join(PLACEHOLDERS)}")
+        if tree.id not in names:
+            raise ValueError(f"unknown placeholder {tree.id!r}; known: {', '.join(names)}")
         return tree
+    if names is not PLACEHOLDERS:
+        raise ValueError(f"{{{{{text}}}}}: only the placeholders {', '.join(names)} are allowed here")
     _check_arithmetic(tree, text)
     return tree
 
@@ -178,11 +219,11 @@ def _check_arithmetic(node: ast.AST, text: str) -> None:
                          "parentheses, min() and max() are allowed")
 
 
-def _parts(text: str) -> list[str | ast.expr]:
+def _parts(text: str, names: tuple[str, ...] = PLACEHOLDERS) -> list[str | ast.expr]:
     parts: list[str | ast.expr] = []
     last = 0
     for m in _TEMPLATE.finditer(text):
-        parts += [text[last:m.start()], _expression(m.group(1))]
+        parts += [text[last:m.start()], _expression(m.group(1), names)]
         last = m.end()
     return [*parts, text[last:]]
 
@@ -200,8 +241,13 @@ def _evaluate(node: ast.expr, values: dict[str, Any]) -> Any:
     return _CALLS[node.func.id](*(_evaluate(a, values) for a in node.args))
 
 
-def render(text: str, values: dict[str, Any]) -> str:
-    return "".join(p if isinstance(p, str) else str(_evaluate(p, values)) for p in _parts(text))
+def render(text: str, values: dict[str, Any], names: tuple[str, ...] = PLACEHOLDERS) -> str:
+    return "".join(p if isinstance(p, str) else str(_evaluate(p, values)) for p in _parts(text, names))
+
+
+def render_edit(template: str, *, file: str, old: str, new: str) -> str:
+    """A [check] edit reply: `template` with the edit's file, old text and new text."""
+    return render(template, {"file": file, "old": old, "new": new}, CHECK_PLACEHOLDERS)
 
 
 def _render_json(value: Any, values: dict[str, Any]) -> Any:
@@ -228,6 +274,11 @@ class ConfiguredHarness:
         self.name = definition.name
         self.format_error_markers = tuple(definition.format_error_markers)
         self.end_command = definition.end_command
+        if definition.check.edit:  # harnesses check: how its scripted model edits a file (else: by tools)
+            self.edit_reply = self._edit_reply
+
+    def _edit_reply(self, file: str, old: str, new: str) -> str:
+        return render_edit(self.definition.check.edit, file=file, old=old, new=new)
 
     def compaction_threshold(self, limits: ModelLimits) -> int | None:
         if not self.definition.compaction_threshold:
@@ -240,6 +291,9 @@ class ConfiguredHarness:
         if inst.npm:
             return install_npm_harness(bundle_root, self.name, dict(inst.npm), inst.bin, with_node=inst.node,
                                        check_args=list(inst.check))
+        if inst.binary:
+            return install_binary_harness(bundle_root, self.name, Path(inst.binary), inst.sha256,
+                                          inst.bin or Path(inst.binary).name, check_args=list(inst.check))
         if inst.pip:
             def build(tmp: Path) -> None:
                 pip_install_target(tmp / "site", list(inst.pip), what=f"{self.name} pip install")
