@@ -148,7 +148,7 @@ class TasksConfig(_Section):
 
 
 class GuideConfig(_Section):
-    """Guided prefixes (rollouts/guide.py): the first calls of every training rollout are answered
+    """Guided prefixes (teachers/guide.py): the first calls of every training rollout are answered
     by the harness's teacher, up to the step where the policy takes over. Never trained on;
     evaluation always runs unguided."""
 

@@ -39,7 +39,7 @@ from polar_fast.errors import ConfigError, PolarError
 from polar_fast.pools import Pools
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
-from polar_fast.rollouts.guide import Guide
+from polar_fast.teachers.guide import Guide
 from polar_fast.rollouts.tasks import Task, has_splits, load_tasks, shared_tasks
 
 SHOWN_OVERLAPS = 5  # shared tasks named in the refusal; the rest are counted

@@ -102,7 +102,7 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, tag="call"):
     version_changes: list[tuple[int, int]] = []
     temperature: float = 1.0  # the completion was sampled, and its logprobs taken, at this temperature
     harness_sampling: HarnessSampling = HarnessSampling()
-    # answered by the rollout's guide (a teacher's reply, rollouts/guide.py), not sampled by the
+    # answered by the rollout's guide (a teacher's reply, teachers/guide.py), not sampled by the
     # policy: kept in the log (later calls store their prompts as deltas against it), never trained,
     # gated, counted or exported; its logprobs are 0s. Its tokens reach the merge only as the next
     # call's prompt, with loss mask 0.

@@ -64,7 +64,7 @@ from polar_fast.proxy import Proxy
 from polar_fast.records import CALL_CAUSES, Outcome, RolloutRecord, RunEndRecord
 from polar_fast.report.metrics import MetricsWriter
 from polar_fast.rollouts.groups import FinishedRollout, GroupRecord, GroupSpec
-from polar_fast.rollouts.guide import Guide
+from polar_fast.teachers.guide import Guide
 from polar_fast.rollouts.stream import TrainingStream
 from polar_fast.rollouts.task_images import check_images
 from polar_fast.rollouts.tasks import Task, load_tasks

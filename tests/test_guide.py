@@ -1,4 +1,4 @@
-"""Guided prefixes (rollouts/guide.py) and the training stream (rollouts/stream.py).
+"""Guided prefixes (teachers/guide.py) and the training stream (rollouts/stream.py).
 
 The end-to-end test runs a real training step with mini-swe-agent in a local sandbox and the
 real proxy, guided up to the teacher's edit: the teacher's replies answer the first calls, a
@@ -18,7 +18,7 @@ from polar_fast.export import export_run
 from polar_fast.records import Outcome, read_log
 from polar_fast.rollouts.families import family_task
 from polar_fast.rollouts.groups import FinishedRollout, GroupRecord
-from polar_fast.rollouts.guide import Guide, check_guide
+from polar_fast.teachers.guide import Guide, check_guide
 from polar_fast.records import RolloutRecord
 from polar_fast.rollouts.stream import MIN_ACTIVE, TrainingStream
 from polar_fast.teachers import teacher_for

@@ -51,6 +51,7 @@ STAGES = {  # package -> its entry module
 PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.rollouts.tasks", "polar_fast.rollouts.stack", "polar_fast.rollouts.harnesses",
     "polar_fast.rollouts.groups",  # the group record the pools hand on and the learner trains on
+    "polar_fast.rollouts.stream",  # the training run's groups (guided, difficulty-filtered)
     "polar_fast.rollouts.service", "polar_fast.rollouts.validate", "polar_fast.rollouts.task_images",
     "polar_fast.learner.distributed", "polar_fast.learner.weight_sync", "polar_fast.learner.checkpoint",
     "polar_fast.learner.sft", "polar_fast.learner.batches", "polar_fast.learner.memory",

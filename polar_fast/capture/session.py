@@ -43,7 +43,7 @@ class Session:
     # per dialect: decodes only what a request adds to the conversation it resends
     parsers: dict[str, IncrementalParser] = field(default_factory=dict)
     # token ids (end-of-turn included) of the replies that answer this session's first calls
-    # instead of the engine: a guided rollout's teacher turns (rollouts/guide.py)
+    # instead of the engine: a guided rollout's teacher turns (teachers/guide.py)
     guide: tuple[list[int], ...] = ()
 
     def guided_reply(self) -> list[int] | None:

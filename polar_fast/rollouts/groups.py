@@ -35,7 +35,7 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the attempt its rollouts start at: a group a dead rollout node left is run again elsewhere as
     # its next attempt (cluster/driver.py), so retried rollout ids never repeat the lost ones
     first_attempt: int = 0
-    # the replies that answer each rollout's first calls instead of the policy (rollouts/guide.py:
+    # the replies that answer each rollout's first calls instead of the policy (teachers/guide.py:
     # a teacher's, up to the step where the policy takes over); [] = the policy answers every call
     guide: list[str] = []
 

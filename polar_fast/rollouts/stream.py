@@ -1,6 +1,6 @@
 """The training run's stream of groups: endless seeded epochs over the training tasks, each group
-guided as the run's guide says at the current learner step, and tasks retired once their groups
-keep scoring alike.
+guided as the run's guide (teachers/guide.py) says at the current learner step, and tasks retired
+once their groups keep scoring alike.
 
     stream = TrainingStream(tasks, seed=0, group_size=8, guide=guide, retire_after=2, step=lambda: learner.step_count)
     pools.run(stream, on_group)      # GroupSpecs, named `<instance_id>-g<n>` as plain tasks would be
@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 from polar_fast.errors import PolarError
 from polar_fast.rollouts.groups import GroupRecord, GroupSpec
-from polar_fast.rollouts.guide import Guide
 from polar_fast.rollouts.tasks import Task
 
 MIN_ACTIVE = 2  # tasks never retired below this many
+
+
+class Guide(Protocol):
+    """What answers a training rollout's first calls (teachers/guide.py)."""
+
+    def replies(self, task: Task, step: int = 0) -> list[str]: ...
 
 
 class StreamError(PolarError):
