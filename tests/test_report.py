@@ -56,12 +56,23 @@ def test_summary_puts_the_starting_and_the_last_heldout_pass1_side_by_side():
         "(+25.0 points; 14 heldout tasks x 1)")
     assert before_after([_eval(2, 0.5)]) == ""  # no eval of the starting policy: nothing to compare
     assert before_after([_eval(0, 0.5)]) == ""
-    summary = SimpleNamespace(steps=[], outcomes={}, groups_trained=0, groups_withheld=0, calls=0, sampled_tokens=0,
-                              stopped_early=False, evals=[_eval(0, 0.25), _eval(2, 0.5)], causes={},
+    # with each task's pass@1, the change gets a paired interval and an honest label
+    tasks = [f"t{i}" for i in range(14)]
+    start = {**_eval(0, 0.25), "per_task": {t: float(i < 3) for i, t in enumerate(tasks)}}
+    noisy = {**_eval(2, 0.5), "per_task": {t: float(1 <= i < 5) for i, t in enumerate(tasks)}}
+    assert before_after([start, noisy]).endswith(": within noise)")
+    gain = {**_eval(2, 0.9), "per_task": {t: 1.0 for t in tasks}}
+    line = before_after([start, gain])
+    assert "95% paired interval over 14 tasks x 1 [+" in line and line.endswith(": a gain)")
+    steps = [{"learner/step": 1, "reward/mean": 0.0}, {"learner/step": 2, "reward/mean": 0.5},
+             {"learner/step": 3, "reward/mean": 1.0}]
+    summary = SimpleNamespace(steps=steps, outcomes={}, groups_trained=0, groups_withheld=0, calls=0,
+                              sampled_tokens=0, stopped_early=False, evals=[_eval(0, 0.25), _eval(2, 0.5)], causes={},
                               leftovers_removed=0, checkpoint="ckpt", warm_start={})
     out = io.StringIO()
     Progress(steps=2, enabled=False).print_summary(summary, console=Console(file=out, width=200))
     assert "25.0% at the start" in out.getvalue() and "-> 50.0% after step 2" in out.getvalue()
+    assert "train reward per step: ▁▅█  0.00 0.50 1.00" in out.getvalue()
 
 
 def test_metrics_go_to_weights_and_biases_offline(tmp_path, monkeypatch):
