@@ -18,5 +18,6 @@ fi
 cargo test -q --manifest-path rust/merge/Cargo.toml
 # CI turns a skipped Docker test into a failure, so a broken engine never passes silently.
 # Likewise a missing vLLM or browser: this script installed them, so their tests must run.
+# --durations=15: every run ends with its 15 slowest tests, so each landing shows where the time goes.
 POLAR_REQUIRE_DOCKER="${POLAR_REQUIRE_DOCKER:-${CI:-}}" POLAR_REQUIRE_VLLM="${POLAR_REQUIRE_VLLM:-1}" \
-    POLAR_REQUIRE_BROWSER="${POLAR_REQUIRE_BROWSER:-1}" .venv/bin/python -m pytest -q "$@"
+    POLAR_REQUIRE_BROWSER="${POLAR_REQUIRE_BROWSER:-1}" .venv/bin/python -m pytest -q --durations=15 "$@"

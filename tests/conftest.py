@@ -127,6 +127,17 @@ def bundles() -> dict[str, Path]:
     return {name: h.install(default_bundle_root()) for name, h in HARNESSES.items()}
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A two-layer model with SmolLM2's vocabulary, tokenizer and chat template
+    (test_distributed_train.tiny_model_dir), built once per session. For runs whose model choices
+    are scripted, where the real 135M weights prove nothing more: their learner step takes a
+    second instead of a minute, and a checkpoint holds ~40 MB instead of ~1.5 GB."""
+    from test_distributed_train import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
 @pytest.fixture
 def dirs(tmp_path) -> tuple[Path, Path]:
     """A private HOME and a task directory for one harness run on the host."""

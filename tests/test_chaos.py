@@ -1,8 +1,11 @@
 """Faults in the middle of a whole training run: Docker boxes, the real mini-swe-agent, the real
 proxy, merge and learner. Each fault is injected once, at a point the test proves is live.
 
-The model's choices are scripted (ScriptedEngine through the real tokenizer). With one agent slot
-and one group in flight the rollouts take the scripted replies in this order:
+The model's choices are scripted (ScriptedEngine through the real tokenizer), and the learner trains
+the two-layer model with SmolLM2's vocabulary (conftest.tiny_model): a step takes a second, so each
+run's timeout measures a hang, not the machine. The SIGSTOP run serves and syncs the real weights
+(the real vLLM's). With one agent slot and one group in flight the rollouts take the scripted
+replies in this order:
     g0-r0      runs `sleep 12 # polar-chaos-kill`: the test sees that process in the box and
                kills the container (an infra fault: the rollout is retried in a fresh box);
     g0-r1      runs `sleep 25 # polar-chaos-hang`: the harness hangs past harness.timeout_s
@@ -35,7 +38,6 @@ from pathlib import Path
 
 import anyio
 import pytest
-from test_distributed_train import tiny_model_dir
 from test_train import GROUP_REPLIES, SUBMIT, TASK, bash_call, fix_command, raw_config  # the same scripted run
 
 from polar_fast.config import parse_config
@@ -69,12 +71,13 @@ async def _kill_when_live(run_id: str, marker: str, killed: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(600)
-async def test_container_killed_and_harness_hung_mid_run(tmp_path, docker_required, base_image):
+async def test_container_killed_and_harness_hung_mid_run(tmp_path, docker_required, base_image, tiny_model):
     from polar_fast.rollouts.stack import run_id_for
 
     replies = [KILL, HANG, FLOOD, bash_call(fix_command(TASK.patch)), SUBMIT]
     raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none"},
-                     harness={"timeout_s": 20}, run={"groups_in_flight": 1, "tensorboard": False})
+                     harness={"timeout_s": 20}, run={"groups_in_flight": 1, "tensorboard": False},
+                     model={"path": str(tiny_model)})
     cfg = parse_config(raw)
     out = tmp_path / "run"
     run_id = await anyio.to_thread.run_sync(run_id_for, out)
@@ -169,8 +172,9 @@ def small_disk(tmp_path):
 
 
 FILL_MARK = "polar-chaos-diskfull"
-# ~7.6 kB of words: the next call's record is several pages, so no page left half-free can hold it
-FILL = bash_call(f"sleep 4 # {FILL_MARK}\nyes polar-chaos-filler-line | head -n 400")
+# the pause lets the test see the command and fill the disk (a few docker calls: seconds on a busy
+# machine); ~7.6 kB of words: the next call's record is several pages, so no page left half-free can hold it
+FILL = bash_call(f"sleep 6 # {FILL_MARK}\nyes polar-chaos-filler-line | head -n 400")
 AGAIN = bash_call("echo answered after the disk had room again")
 
 
@@ -178,14 +182,14 @@ AGAIN = bash_call("echo answered after the disk had room again")
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(600)
-async def test_the_record_disk_fills_mid_run(tmp_path, docker_required, base_image, small_disk):
+async def test_the_record_disk_fills_mid_run(tmp_path, docker_required, base_image, small_disk, tiny_model):
     from polar_fast.rollouts.stack import run_id_for
 
     # r0: FILL, then AGAIN (its record fails: the harness gets a 503), AGAIN (its retry), fix, submit;
     # a second failed try takes the second AGAIN, and the fix still reaches the harness
     replies = [FILL, AGAIN, AGAIN, bash_call(fix_command(TASK.patch)), SUBMIT, bash_call("ls"), SUBMIT]
     raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none"},
-                     run={"groups_in_flight": 1, "tensorboard": False})
+                     run={"groups_in_flight": 1, "tensorboard": False}, model={"path": str(tiny_model)})
     cfg = parse_config(raw)
     out = tmp_path / "run"  # the log's disk is the small one
     await anyio.to_thread.run_sync(_run_dir_linking, out, "records.log", small_disk / "records.log")
@@ -196,11 +200,12 @@ async def test_the_record_disk_fills_mid_run(tmp_path, docker_required, base_ima
     async def fill_then_free() -> None:
         await _when_running(run_id, FILL_MARK)
         filled.append(await anyio.to_thread.run_sync(_fill, small_disk))
-        while engine.remaining() > len(replies) - 2:  # the engine answered the call after FILL...
+        # the engine answered the call after FILL, whose record then failed, and then the
+        # harness's retry of it: a record failed, however slow the machine. Space comes back
+        # now, well before the next try (the harness's client retries ~0.4 s on), so the
+        # retry's record fails too or lands: one or two failures
+        while engine.remaining() > len(replies) - 3:
             await anyio.sleep(0.05)
-        # ...whose record then failed (ms later). The harness's client retries ~0.4 s on, so
-        # space comes back within one or two tries
-        await anyio.sleep(0.3)
         await anyio.to_thread.run_sync(filled[0].unlink)
 
     async with anyio.create_task_group() as tg:
@@ -248,11 +253,12 @@ class _TermDuringSync(ScriptedEngine):
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(600)
-async def test_sigterm_during_a_weight_sync_stops_then_resumes(tmp_path, docker_required, base_image):
+async def test_sigterm_during_a_weight_sync_stops_then_resumes(tmp_path, docker_required, base_image, tiny_model):
     from polar_fast.rollouts.stack import run_id_for
 
     raw = raw_config(tmp_path, steps=2, sandbox={"kind": "docker", "network": "none"},
-                     run={"groups_in_flight": 1, "tensorboard": False, "checkpoint_every": 10})
+                     run={"groups_in_flight": 1, "tensorboard": False, "checkpoint_every": 10},
+                     model={"path": str(tiny_model)})
     cfg = parse_config(raw)
     out = tmp_path / "run"
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model.path)
@@ -392,16 +398,15 @@ def _box_usage(container: str, docker_root: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(600)
-async def test_a_box_that_fills_its_disk_is_scored_and_the_host_disk_is_untouched(tmp_path, docker_required, base_image):
+async def test_a_box_that_fills_its_disk_is_scored_and_the_host_disk_is_untouched(tmp_path, docker_required, base_image,
+                                                                                   tiny_model):
     from polar_fast.rollouts.stack import run_id_for
 
     # r0 fixes the task, then writes twice its bound; r1 looks and gives up. Both are scored.
     replies = [bash_call(fix_command(TASK.patch)), FILL_BOX, SUBMIT, bash_call("ls"), SUBMIT]
-    # a two-layer model with SmolLM2's tokenizer: the step is trained, in seconds rather than a minute
-    model_dir = await anyio.to_thread.run_sync(tiny_model_dir, tmp_path / "model")
     raw = raw_config(tmp_path, replies=replies, sandbox={"kind": "docker", "network": "none", "disk_mb": BOX_DISK_MB},
                      run={"groups_in_flight": 1, "tensorboard": False},
-                     model={"path": str(model_dir), "max_context_tokens": 4096}, merge={"max_tokens": 4096})
+                     model={"path": str(tiny_model), "max_context_tokens": 4096}, merge={"max_tokens": 4096})
     cfg = parse_config(raw)
     out = tmp_path / "run"
     run_id = await anyio.to_thread.run_sync(run_id_for, out)
@@ -471,12 +476,13 @@ def checkpoint_disk(tmp_path):
 @pytest.mark.anyio
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_last_one(tmp_path, checkpoint_disk):
+async def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_last_one(tmp_path, checkpoint_disk,
+                                                                                         tiny_model):
     from polar_fast.grpo import Learner
     from polar_fast.learner.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
     from polar_fast.records import RunEndRecord
 
-    model_dir = await anyio.to_thread.run_sync(tiny_model_dir, tmp_path / "model")
+    model_dir = tiny_model
     raw = raw_config(tmp_path, steps=2, model={"path": str(model_dir), "max_context_tokens": 4096},
                      merge={"max_tokens": 4096}, run={"groups_in_flight": 1, "tensorboard": False})
     cfg = parse_config(raw)

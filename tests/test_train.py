@@ -2,7 +2,11 @@
 
 The model's choices are scripted (ScriptedEngine through the real SmolLM2 tokenizer): in each
 group the first rollout applies the task's known fix and the second does nothing, so rewards
-differ, advantages are non-zero and the learner really updates the weights.
+differ, advantages are non-zero and the learner really updates the weights. The learner's model
+is the two-layer one with SmolLM2's vocabulary, tokenizer and template (the `tiny_model`
+fixture): with scripted choices the real weights prove nothing more here, and its steps and
+checkpoints take a second. Runs of the real weights: test_default_run.py (embedded engine),
+test_chaos.py's real-vLLM run, test_vllm_real.py.
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ def run_config(tmp_path, **options):
 @pytest.mark.anyio
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path):
-    cfg = run_config(tmp_path)
+async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path, tiny_model):
+    cfg = run_config(tmp_path, model={"path": str(tiny_model)})
     summary = await train(cfg)
 
     [step] = summary.steps
@@ -118,9 +122,10 @@ def check_run_files(run, step) -> None:
 @pytest.mark.anyio
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_engine_down_is_an_infra_error_never_scored(tmp_path):
+async def test_engine_down_is_an_infra_error_never_scored(tmp_path, tiny_model):
     # the engine answers nothing; the harness keeps retrying until its timeout
-    cfg = run_config(tmp_path, replies=[], pools={"infra_retries": 0}, harness={"timeout_s": 15})
+    cfg = run_config(tmp_path, replies=[], pools={"infra_retries": 0}, harness={"timeout_s": 15},
+                     model={"path": str(tiny_model)})
     summary = await train(cfg)
 
     [step] = summary.steps
@@ -132,7 +137,7 @@ async def test_engine_down_is_an_infra_error_never_scored(tmp_path):
 
 
 class ShiftedEngine(ScriptedEngine):
-    """Scripted choices recorded with SmolLM2's own logprobs (a forward per call, at temperature 1)
+    """Scripted choices recorded with the learner's model's own logprobs (a forward per call, at temperature 1)
     plus `shift`: a misconfigured engine, as the run sees one."""
 
     made_up_logprobs = False
@@ -155,8 +160,8 @@ class ShiftedEngine(ScriptedEngine):
 @pytest.mark.anyio
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_an_engine_that_disagrees_with_the_learner_stops_the_run_at_its_first_step(tmp_path):
-    cfg = run_config(tmp_path)
+async def test_an_engine_that_disagrees_with_the_learner_stops_the_run_at_its_first_step(tmp_path, tiny_model):
+    cfg = run_config(tmp_path, model={"path": str(tiny_model)})
     tokenizer, model = await anyio.to_thread.run_sync(lambda: (load_tokenizer(cfg.model.path),
                                                                load_model(cfg.model.path).eval()))
     with pytest.raises(MismatchError) as caught:  # itself, not inside the TaskGroups' exception groups
@@ -227,7 +232,8 @@ KILL_MARK = "polar-killed-while-this-runs"
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(900)
-def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, docker_required, base_image):
+def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, docker_required, base_image,
+                                                                     tiny_model):
     from polar_fast.rollouts.stack import run_id_for
 
     out = tmp_path / "run"
@@ -235,7 +241,8 @@ def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, d
     # at 30 s, 4 steps a rollout) until the kill. A resumed run starts the replies over: its first
     # group trains step 2
     raw = raw_config(tmp_path, steps=2, sandbox={"kind": "docker", "network": "none"}, run={"tensorboard": False},
-                     engine={"scripted_replies": GROUP_REPLIES + [bash_call(f"sleep 60 # {KILL_MARK}")] * 40})
+                     engine={"scripted_replies": GROUP_REPLIES + [bash_call(f"sleep 60 # {KILL_MARK}")] * 40},
+                     model={"path": str(tiny_model)})
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
@@ -282,10 +289,12 @@ def test_kill_9_then_resume_keeps_every_call_and_leaves_no_container(tmp_path, d
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.timeout(900)
-async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path, docker_required, base_image):
+async def test_one_step_in_docker_with_an_npm_harness_bumps_the_policy(tmp_path, docker_required, base_image,
+                                                                       tiny_model):
     """Pi (an npm CLI) in `--network none` containers, reaching the proxy through its socket."""
     replies = [bash_call(fix_command(TASK.patch)), "Done: the fix is applied.", bash_call("ls"), "I could not fix it."]
-    cfg = run_config(tmp_path, harness_name="pi", replies=replies, sandbox={"kind": "docker", "network": "none"})
+    cfg = run_config(tmp_path, harness_name="pi", replies=replies, sandbox={"kind": "docker", "network": "none"},
+                     model={"path": str(tiny_model)})
     summary = await train(cfg)
 
     [step] = summary.steps
@@ -318,11 +327,12 @@ def running(marker: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ctrl_c_saves_a_checkpoint_records_the_rollout_in_flight_and_exits_0(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_records_the_rollout_in_flight_and_exits_0(tmp_path, tiny_model):
     """SIGINT while the first rollout's command runs: the run stops, saves a checkpoint, and
     records that rollout as abandoned (why, and its one call), then its end; `view` shows both."""
     out = tmp_path / "run"
-    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False}, replies=[bash_call(f"sleep 300 # {STOP_MARK}")])
+    raw = raw_config(tmp_path, steps=5, run={"tensorboard": False}, replies=[bash_call(f"sleep 300 # {STOP_MARK}")],
+                     model={"path": str(tiny_model)})
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     command = [sys.executable, "-m", "polar_fast", "--config", str(config), "--quiet"]
@@ -351,7 +361,7 @@ CANCEL_MARK = "polar-cancelled-while-this-runs"
 @pytest.mark.anyio
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_a_run_cancelled_from_outside_records_its_end_and_leaves_no_task_or_listener(tmp_path):
+async def test_a_run_cancelled_from_outside_records_its_end_and_leaves_no_task_or_listener(tmp_path, tiny_model):
     """A run cancelled by an anyio scope (which cancels again at every await, unlike one Ctrl-C)
     while a rollout's command runs: its teardown still runs whole. The rollout gets its
     abandoned record and the run its end marker, the proxy stops listening, and no task of the
@@ -364,7 +374,7 @@ async def test_a_run_cancelled_from_outside_records_its_end_and_leaves_no_task_o
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = run_config(tmp_path, run={"tensorboard": False}, proxy={"port": port},
-                     replies=[bash_call(f"sleep 300 # {CANCEL_MARK}")])
+                     replies=[bash_call(f"sleep 300 # {CANCEL_MARK}")], model={"path": str(tiny_model)})
     ours = asyncio.current_task()
     before = asyncio.all_tasks()
     with anyio.CancelScope() as scope:
@@ -420,7 +430,7 @@ def show_in_browser(run, rollout_id: str, tmp_path) -> None:
 @pytest.mark.anyio
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-async def test_a_step_names_the_causes_of_zero_rewards_and_the_periodic_eval_is_logged(tmp_path):
+async def test_a_step_names_the_causes_of_zero_rewards_and_the_periodic_eval_is_logged(tmp_path, tiny_model):
     """One group: a rollout that fixes the task and one that answers without a tool call, which
     mini-swe-agent rejects with its format error. The step's metrics count both causes, and the
     held-out eval after the step scores the scripted fix of its task."""
@@ -436,7 +446,7 @@ async def test_a_step_names_the_causes_of_zero_rewards_and_the_periodic_eval_is_
              heldout_task.problem_statement: [[bash_call(fix_command(heldout_task.patch)), SUBMIT]]}
     engine = PlaybookEngine(plays, await anyio.to_thread.run_sync(load_tokenizer))
     cfg = run_config(tmp_path, tasks={"source": "families", "families": ["constant"], "per_family": 1},
-                     eval={"every_steps": 1, "limit": 1, "samples": 1, "k": [1]})
+                     eval={"every_steps": 1, "limit": 1, "samples": 1, "k": [1]}, model={"path": str(tiny_model)})
     summary = await train(cfg, engine=engine)
 
     [step] = summary.steps

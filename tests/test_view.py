@@ -46,11 +46,14 @@ def browser_required() -> None:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(tmp_path_factory, tiny_model) -> Path:
     from polar_fast.train import train
 
     base = tmp_path_factory.mktemp("view")
-    cfg = parse_config(raw_config(base, replies=REPLIES, proxy={"history": "template"}))
+    # the learner's model is the two-layer one with SmolLM2's tokenizer (conftest.tiny_model): the
+    # pages show what the run recorded, which the scripted choices fix, not the weights
+    cfg = parse_config(raw_config(base, replies=REPLIES, proxy={"history": "template"},
+                                  model={"path": str(tiny_model)}))
     summary = asyncio.run(train(cfg))
     assert summary.steps and summary.steps[0]["outcomes/ok"] == 2
     return base / "run"
