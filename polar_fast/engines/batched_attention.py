@@ -196,18 +196,33 @@ def batched_decode_attention(
     step_plan: StepPlan | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:  # (1, T, H, D)
+    """transformers' face of `attend` (the engine's step through the model's own forward)."""
     if step_plan is None:
         raise ValueError(f"{NAME} needs a step_plan (the embedded engine passes one)")
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise ValueError(f"{NAME} does not support softcap or sliding-window attention")
-    layer, heads, kv_heads = module.layer_idx, query.shape[1], key.shape[1]
-    plan, sizes = step_plan, step_plan.sizes
+    return attend(module.layer_idx, query, key, value, step_plan, scaling), None
+
+
+def attend(
+    layer: int,
+    query: torch.Tensor,  # (1, H, T, D)
+    key: torch.Tensor,  # (1, H_kv, T, D)
+    value: torch.Tensor,  # (1, H_kv, T, D)
+    plan: StepPlan,
+    scaling: float | None,
+) -> torch.Tensor:  # (1, T, H, D)
+    """One layer's attention for the step: writes the segments' new keys and values into their
+    calls' caches, then attends per call (the base of a group once for all its members)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    sizes = plan.sizes
     queries, keys, values = query.split(sizes, 2), key[0].split(sizes, 1), value[0].split(sizes, 1)
     outs: list[torch.Tensor | None] = [None] * len(sizes)
     own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sizes)  # (out, lse), folded
+    # one dispatch for every call's cache write, not two per call
+    torch._foreach_copy_([v.k_new[layer] for v in plan.views] + [v.v_new[layer] for v in plan.views],
+                         list(keys) + list(values))
     for i, (s, v) in enumerate(zip(plan.segments, plan.views)):
-        v.k_new[layer].copy_(keys[i])
-        v.v_new[layer].copy_(values[i])
         if s.kv.base is None:  # one part: plain SDPA over its own positions
             outs[i] = F.scaled_dot_product_attention(
                 queries[i], v.keys[layer], v.values[layer], attn_mask=v.mask, is_causal=v.mask is None and s.n > 1,
@@ -225,7 +240,7 @@ def batched_decode_attention(
         for i, part in zip(members, merged.split([f.shape[2] for f in folded], 2)):
             outs[i] = _unfold(part, heads)
     out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -233,7 +248,9 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
     output and log-sum-exp: the weights are each part's share of the total mass."""
     top = torch.maximum(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
-    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
+    # in float32 whatever the cache's dtype (the log-sum-exps are float32): a bf16 step rounds once
+    merged = (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
+    return merged.to(out_a.dtype)
 
 
 AttentionInterface.register(NAME, batched_decode_attention)
