@@ -29,9 +29,10 @@ Compile (engine.compile = true): the dense parts of each layer, everything betwe
 calls, go through torch.compile (inductor: fused C++ loops for the norms, rotary, activation and
 residuals around the matmuls). Attention reads per-call caches of data-dependent lengths and
 stays eager. The token count of a step varies (decode rows, prefill chunks), so the compiled
-functions take it as a dynamic size: one compilation per process serves every step
-(`compile_s` says what it cost). Inductor needs a C++ compiler; without one the step runs eager
-and says so once.
+functions take it as a dynamic size; torch specialises a size of 1 apart, so there are two
+buckets, a step of one row and a step of any more, both compiled when the engine starts, once
+per process (`compile_s` says what it cost; inductor's cache on disk makes later processes
+cheaper). Inductor needs a C++ compiler; without one the step runs eager and says so once.
 """
 
 from __future__ import annotations
@@ -203,10 +204,9 @@ class FusedStep:
         shape = (self.heads, self.kv_heads, self.head_dim, self.eps, self.dtype)
         for i, w in enumerate(self.layers):
             q, k, v = self._before(x, w.norm_attn, w.qkv, w.qkv_bias, cos, sin, *shape)
-            a = batched_attention.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], plan, self.scaling)  # (1, T, heads, D)
-            x = self._after(x, a[0].flatten(1), w.o, w.o_bias, w.norm_mlp, w.gate_up, w.gate_up_bias, w.down,
-                            w.down_bias, self.eps, self.dtype)
+            a = batched_attention.attend(i, q, k, v, plan, self.scaling)  # (T, heads * D)
+            x = self._after(x, a, w.o, w.o_bias, w.norm_mlp, w.gate_up, w.gate_up_bias, w.down, w.down_bias,
+                            self.eps, self.dtype)
         if not rows:
             return None
         picked = F.rms_norm(x.index_select(0, torch.tensor(rows, device=device)), (self.hidden_size,), self.norm,
@@ -221,14 +221,16 @@ class FusedStep:
                         "the embedded engine runs its step eager")
             return
         started = time.perf_counter()
-        self._before = torch.compile(_before_attention, dynamic=True, fullgraph=True)
-        self._after = torch.compile(_after_attention, dynamic=True, fullgraph=True)
+        self._before = torch.compile(_before_attention, fullgraph=True)
+        self._after = torch.compile(_after_attention, fullgraph=True)
         self._warm_up()
         self.compile_s = time.perf_counter() - started
         log.info("engine.compile: the embedded engine's step compiled in %.1f s", self.compile_s)
 
     def _warm_up(self) -> None:
-        """One step of 1 row and one of several: dynamic sizes specialise 1 apart."""
+        """A step of 1 row, then one of 3: the first compiles for its static size, the second
+        recompiles with the row count dynamic (torch's automatic dynamic shapes), which serves
+        every step of 2 rows or more."""
         from polar_fast.engines.batched_attention import CallKV, Segment
 
         for n in (1, 3):
