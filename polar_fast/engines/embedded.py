@@ -113,15 +113,15 @@ class EmbeddedEngine:
         self.model = load_model(model_cfg.path, dtype="float32", device=engine_cfg.device)
         _check_batchable(self.model)
         self.model.eval()
+        self.max_batch = engine_cfg.max_batch or DEFAULT_MAX_BATCH
         self.forward = decode_step.for_model(self.model, dtype=engine_cfg.dtype, compile=engine_cfg.compile,
-                                             fused=fused)
+                                             fused=fused, rows=self.max_batch)
         tokenizer = load_tokenizer(model_cfg.path)
         self._stop_ids = {tokenizer.eos_token_id} | set(
             _as_list(getattr(self.model.generation_config, "eos_token_id", None))
         )
         config = self.model.config
         self._rep = config.num_attention_heads // config.num_key_value_heads  # query heads per key head
-        self.max_batch = engine_cfg.max_batch or DEFAULT_MAX_BATCH
         self.prefill_chunk_tokens = engine_cfg.prefill_chunk_tokens
         self.policy_version = 0
         self.prefix_cache = PrefixCache()
