@@ -149,15 +149,17 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, dict]:
 
 
 def dtype_rows(args: argparse.Namespace) -> list[dict]:
-    """SmolLM2-135M on one `tree` batch, one learner per dtype from fresh copies of the same weights."""
-    model = build_model("smollm2", args.vocab)
+    """SmolLM2-135M on one `tree` batch, one learner per dtype, each on the weights as loaded
+    (one learner at a time: a SmolLM2 learner holds ~2 GB before its activations)."""
+    vocab = build_model("smollm2", args.vocab).config.vocab_size
     calls, rollouts = harness_traces(groups=1, rollouts=args.rollouts, calls=args.dtype_calls, prompt=args.prompt,
-                                     completion=args.completion, tool=args.tool, vocab=model.config.vocab_size)
+                                     completion=args.completion, tool=args.tool, vocab=vocab)
     rows = []
     for dtype in args.dtypes.split(","):
         cfg = LearnerConfig(lr=1e-6, device=args.device, dtype=dtype, attention=args.attention,
                             logprob_chunk_tokens=1024, gradient_checkpointing=args.checkpointing)
-        learner = Learner(cfg, copy.deepcopy(model), layout="tree", max_tokens=args.max_tokens, merge_impl=merge_impl())
+        learner = Learner(cfg, build_model("smollm2", vocab), layout="tree", max_tokens=args.max_tokens,
+                          merge_impl=merge_impl())
         batch = learner.prepare(groups_of(calls, rollouts))
         steps = [_step_parts(learner, batch, args.device) for _ in range(1 + args.repeats)]
         best = min(steps[1:] or steps, key=lambda part: part["step_s"])

@@ -11,6 +11,7 @@ estimate of the learner's own part beside it.
 
     .venv/bin/python bench/learner_rss_bench.py --quick    # two settings at 1024 tokens (~1 min)
     .venv/bin/python bench/learner_rss_bench.py            # seven settings at 8192 and 4096 tokens
+    .venv/bin/python bench/learner_rss_bench.py --settings "bfloat16,1,8192;float32,0,2048"
 
 Last line: `RESULT peak_gib_<dtype>_<gc|nogc>_<tokens>=.. ...`.
 """
@@ -82,6 +83,7 @@ def run_child(setting: tuple[str, bool, int]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two settings at 1024 tokens")
+    p.add_argument("--settings", help='"dtype,gc,tokens;..." instead of the table\'s (gc: 0 or 1)')
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -92,7 +94,10 @@ def main() -> int:
           "| estimate GiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     result = []
-    for setting in QUICK if args.quick else SETTINGS:
+    settings = QUICK if args.quick else SETTINGS
+    if args.settings:
+        settings = [(d, bool(int(g)), int(t)) for d, g, t in (item.split(",") for item in args.settings.split(";"))]
+    for setting in settings:
         r = run_child(setting)
         print(f"| {r['dtype']} | {str(r['gc']).lower()} | {r['tokens']} | {r['built_gib']:.2f} | {r['peak_gib']:.2f} "
               f"| {r['step_s']:.1f} | {r['estimate_gib']:.2f} |", flush=True)
