@@ -16,17 +16,28 @@ shared machine hits all of them) and speed-up over per-call, plus the step loss 
 step, which must agree across layouts. All layouts run the same learner code: on CPU, per-call
 sequences get plain causal SDPA, as a one-sequence trainer would.
 
+Then precision (skipped by --quick; --dtypes ""): SmolLM2-135M, its real weights, one learner
+per dtype (float32, and bfloat16 autocast: grpo.Learner.autocast) on the same `tree` batch of
+the same traces, each from a fresh copy of the same weights. Per dtype: learner tokens per second
+(forward and backward), and the step split into forward, backward and optimizer (clip + AdamW),
+the best of --repeats steps after a warm-up; `--profile` adds each dtype's heaviest ops
+(torch.profiler, one more step).
+
     .venv/bin/python bench/learner_bench.py --quick              # < 60 s on 2 CPU cores
+    .venv/bin/python bench/learner_bench.py                      # + the SmolLM2 dtype rows (~5 min)
+    .venv/bin/python bench/learner_bench.py --models "" --profile   # only the dtype rows, profiled
     .venv/bin/python bench/learner_bench.py --device cuda --models smollm2
 
 Last line: `RESULT tree_vs_percall=X paths_vs_percall=Y qwen35_tree_vs_percall=.. qwen35_paths_vs_percall=..
-qwen35_tree_vs_paths=..` (the first two for the Llama-type model, tiny or smollm2).
+qwen35_tree_vs_paths=.. smollm2_fp32_tok_s=.. smollm2_bf16_tok_s=.. bf16_over_fp32=..` (the first two
+for the Llama-type model, tiny or smollm2; the last three from the dtype rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 import time
 from pathlib import Path
@@ -36,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polar_fast import merge  # noqa: E402
+from polar_fast import grpo, merge  # noqa: E402
 from polar_fast.config import LearnerConfig  # noqa: E402
 from polar_fast.grpo import Learner  # noqa: E402
 from polar_fast.learner import packed_recurrence  # noqa: E402
@@ -137,6 +148,100 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, dict]:
     return rows
 
 
+def dtype_rows(args: argparse.Namespace) -> list[dict]:
+    """SmolLM2-135M on one `tree` batch, one learner per dtype, each on the weights as loaded
+    (one learner at a time: a SmolLM2 learner holds ~2 GB before its activations)."""
+    vocab = build_model("smollm2", args.vocab).config.vocab_size
+    calls, rollouts = harness_traces(groups=1, rollouts=args.rollouts, calls=args.dtype_calls, prompt=args.prompt,
+                                     completion=args.completion, tool=args.tool, vocab=vocab)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        cfg = LearnerConfig(lr=1e-6, device=args.device, dtype=dtype, attention=args.attention,
+                            logprob_chunk_tokens=1024, gradient_checkpointing=args.checkpointing)
+        learner = Learner(cfg, build_model("smollm2", vocab), layout="tree", max_tokens=args.max_tokens,
+                          merge_impl=merge_impl())
+        batch = learner.prepare(groups_of(calls, rollouts))
+        steps = [_step_parts(learner, batch, args.device) for _ in range(1 + args.repeats)]
+        best = min(steps[1:] or steps, key=lambda part: part["step_s"])
+        row = {"dtype": dtype, "tokens": batch.n_tokens, "micro_batches": len(batch.micro_batches), **best,
+               "tok_s": batch.n_tokens / (best["forward_s"] + best["backward_s"])}
+        if args.profile:
+            row["top_ops"] = _top_ops(learner, batch)
+        rows.append(row)
+        del learner, batch
+        gc.collect()
+    return rows
+
+
+def _step_parts(learner: Learner, batch, device: str) -> dict:
+    """One step's wall time split: forward (the policy's forwards), optimizer (grad clip and
+    AdamW: grpo._clip_and_step, wrapped for the measure) and backward (the rest: autograd, and the
+    LM-head chunks it recomputes)."""
+    clock = {"forward_s": 0.0, "optimizer_s": 0.0}
+    began: list[float] = []
+
+    def forward_began(module, args):
+        _sync(device)
+        began.append(time.perf_counter())
+
+    def forward_ended(module, args, out):
+        _sync(device)
+        clock["forward_s"] += time.perf_counter() - began.pop()
+
+    clip_and_step = grpo._clip_and_step
+
+    def timed_clip_and_step(*a, **k):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = clip_and_step(*a, **k)
+        _sync(device)
+        clock["optimizer_s"] += time.perf_counter() - t0
+        return out
+
+    hooks = [learner.policy.register_forward_pre_hook(forward_began),
+             learner.policy.register_forward_hook(forward_ended)]
+    grpo._clip_and_step = timed_clip_and_step
+    try:
+        times: list[float] = []
+        _timed_step(learner, batch, device, times)
+    finally:
+        grpo._clip_and_step = clip_and_step
+        for hook in hooks:
+            hook.remove()
+    return {"step_s": times[0], **clock, "backward_s": times[0] - clock["forward_s"] - clock["optimizer_s"]}
+
+
+def _top_ops(learner: Learner, batch, n: int = 8) -> list[tuple[str, float]]:
+    """The `n` ops with the most self time over one step, in seconds."""
+    with torch.profiler.profile() as prof:
+        learner.train_step(batch)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return [(e.key, e.self_cpu_time_total / 1e6) for e in events[:n]]
+
+
+def print_dtype_rows(rows: list[dict]) -> list[str]:
+    """The dtype table; returns its RESULT items."""
+    print("SmolLM2-135M learner, one `tree` batch, by dtype (seconds per step; tok/s = tokens / (forward + backward))")
+    print("| dtype | tokens | micro-batches | tok/s | step | forward | backward | optimizer |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['tokens']} | {r['micro_batches']} | {r['tok_s']:.1f} | {r['step_s']:.2f} "
+              f"| {r['forward_s']:.2f} | {r['backward_s']:.2f} | {r['optimizer_s']:.2f} |")
+    for r in rows:
+        if "top_ops" in r:
+            print(f"{r['dtype']}: heaviest ops, self seconds over one step: "
+                  + ", ".join(f"{name} {sec:.2f}" for name, sec in r["top_ops"]))
+    by = {r["dtype"]: r["tok_s"] for r in rows}
+    items = [f"smollm2_{SHORT.get(d, d)}_tok_s={v:.1f}" for d, v in by.items()]
+    if "float32" in by and "bfloat16" in by:
+        items.append(f"bf16_over_fp32={by['bfloat16'] / by['float32']:.2f}")
+    print()
+    return items
+
+
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
 def _scan_calls(batch) -> int:
     """Sequential kernel calls per recurrent layer over the step (segment levels x length buckets)."""
     return sum(packed_recurrence.plan(torch.as_tensor(np.asarray(mb.size, np.int64))).n_calls
@@ -177,16 +282,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch default; --quick uses 1: on a shared 2-core box OpenMP spin-waits dominate)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps after a warm-up (0: time the first)")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help='the SmolLM2 precision rows, comma-separated ("": none; --quick: none)')
+    p.add_argument("--dtype-calls", type=int, default=6, help="precision rows: calls per rollout (one group)")
+    p.add_argument("--checkpointing", action="store_true", help="precision rows: gradient checkpointing on")
+    p.add_argument("--profile", action="store_true", help="precision rows: each dtype's heaviest ops")
     args = p.parse_args(argv)
     if args.quick:
         args.groups, args.rollouts, args.calls = 1, 4, 5
         args.prompt, args.completion, args.tool, args.max_tokens, args.repeats = 400, 16, 32, 4096, 3
         args.vocab, args.hidden, args.layers = 8000, 128, 2
         args.threads = args.threads or 1
+        args.dtypes = ""
     if args.threads:
         torch.set_num_threads(args.threads)
     result = []
-    for kind in args.models.split(","):
+    for kind in filter(None, args.models.split(",")):
         torch.manual_seed(0)
         rows = run(args, kind)
         base = rows["percall"]
@@ -205,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"{prefix}paths_vs_percall={base['step_s'] / rows['paths']['step_s']:.2f}"]
         if prefix:
             result.append(f"{prefix}tree_vs_paths={rows['paths']['step_s'] / rows['tree']['step_s']:.2f}")
+    if args.dtypes:
+        torch.manual_seed(0)
+        result += print_dtype_rows(dtype_rows(args))
     print("RESULT " + " ".join(result))
     return 0
 

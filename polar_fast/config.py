@@ -60,7 +60,8 @@ class EngineConfig(_Section):
     max_batch: int = 0  # embedded: calls decoded together (0 = pools.agent_workers); memory grows with batch x context
     threads: int = 0  # embedded: torch threads of its decode loop (0 = torch's default, one per core)
     prefill_chunk_tokens: int = 256  # embedded: prompt tokens prefilled per step beside the batch's decode tokens
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded weights; vllm started by polar_fast: --dtype
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # embedded matmuls and KV cache; vllm started by polar_fast: --dtype
+    compile: bool = False  # embedded: torch.compile (inductor) the dense parts of its step, once per process
     scripted_replies: list[str] = []  # scripted: texts returned in order (dry runs)
     urls: list[str] = []  # vllm: several running servers (replicas); each session sticks to one. Set by cluster runs
     replicas: int = 1  # cluster.kind = "ray": vLLM servers placed by a Ray placement group, one actor each

@@ -89,6 +89,9 @@ def cache_key(cfg: Config, plays: dict[str, list[list[str]]]) -> str:
         "bundle": bundle_manifest(bundle),
         "warm_start": msgspec.to_builtins(cfg.warm_start), "sft_seed": cfg.sft.seed,
         "learner": [cfg.learner.grad_clip, cfg.learner.weight_decay, cfg.merge.layout],
+        # sft computes in it. engine.dtype is not in: the demonstrations come from a scripted
+        # engine, so the embedded engine's dtype changes nothing the warm start computes
+        "learner_dtype": cfg.learner.dtype,
         "sampling": cfg.sampling.max_tokens,
         "demonstrations": sorted(plays.items()),
     }

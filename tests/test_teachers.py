@@ -74,6 +74,8 @@ def test_cache_key_follows_the_demonstrations(monkeypatch):
     edited = {k: [[*v[0][:-1], v[0][-1] + " "]] for k, v in plays.items()}
     assert cache_key(cfg, plays) == cache_key(cfg, dict(plays))
     assert cache_key(cfg, plays) != cache_key(cfg, edited)
+    bf16 = msgspec.structs.replace(cfg, learner=msgspec.structs.replace(cfg.learner, dtype="bfloat16"))
+    assert cache_key(cfg, plays) != cache_key(bf16, plays)  # sft in another precision: other weights
 
 
 @pytest.mark.anyio

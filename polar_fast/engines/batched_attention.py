@@ -4,9 +4,10 @@ prefix that several calls share is read once for all of them.
 One engine step forwards one packed row of tokens taken from several calls: a decode token of
 each running call and a chunk of a joining call's prompt. Every linear layer then reads its
 weights once for the whole batch. Attention is the one place where the calls must stay apart.
-This function, registered with transformers' AttentionInterface under NAME, writes each call's
-new keys and values into that call's own cache (`CallKV`) and attends over it per call, so a
-call's numbers never mix with its batch-mates'.
+`attend` writes each call's new keys and values into that call's own cache (`CallKV`) and
+attends over it per call, so a call's numbers never mix with its batch-mates'. The fused step
+(decode_step.py) calls it directly; transformers' forward reaches it through the function
+registered with its AttentionInterface under NAME.
 
 Shared prefixes. The calls of an agent workload open alike: every rollout of a GRPO group starts
 from the same system prompt and task, and a harness's sessions share their system prompt. On a
@@ -17,13 +18,15 @@ view of positions another call already computed (shared, never copied), and `dat
 positions after that. Calls whose base is the same view form a group, and each layer attends in
 two parts, merged exactly by their log-sum-exp (as cascade attention does): the group's queries,
 all stacked, against the base in one kernel call (the base is read once per step), and each call's
-queries against its own positions. A call with no base attends in one part, as plain SDPA.
+queries against its own positions. A call with no base attends in one part.
 
 The caches are ours, not transformers' `DynamicCache`: a call joins and leaves the batch at any
 step, and a cache per call that grows in place (capacity doubles) needs no re-stacking when the
 batch changes. The step's plan (`StepPlan`) reaches the function as the `step_plan` keyword,
 which transformers passes through untouched; the engine advances each cache once the whole
-forward is done (`StepPlan.commit`), because every layer writes at the same positions.
+forward is done (`StepPlan.commit`), because every layer writes at the same positions. The plan
+also holds every view a layer needs, made once per step rather than once per layer and call: a
+decode step's attention kernels are tens of microseconds each, the size of the Python around them.
 """
 
 from __future__ import annotations
@@ -116,21 +119,30 @@ class Segment:
 
 
 @dataclass(frozen=True, eq=False)
-class _Views:
-    """One segment's cache views for this step, made once and indexed by layer in every layer."""
+class _Group:
+    """Segments that share one base: their query rows are attended against it in one call."""
 
-    k_new: torch.Tensor  # (layers, H_kv, L, D): where its new keys go
-    v_new: torch.Tensor
-    keys: torch.Tensor  # (layers, 1, H_kv, own + L, D): its own positions, the new ones included
-    values: torch.Tensor
-    mask: torch.Tensor | None  # over its own positions, rows in _fold's order when it has a base
+    members: list[int]  # segment indices, in packing order
+    rows: slice | torch.Tensor  # their rows of the folded queries: a slice when adjacent
+    keys: tuple[torch.Tensor, ...]  # per layer (1, H_kv, P, D): the base
+    values: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True, eq=False)
 class StepPlan:
+    """Everything a layer's attention needs that does not change from layer to layer, made once
+    per step, so that a layer does no per-call indexing in Python: per layer, the views its new
+    keys and values are copied into (one dispatch for all calls) and each call's own keys and
+    values; per segment its rows of the folded queries and its mask; the groups."""
+
     segments: list[Segment]
-    views: list[_Views]
-    groups: list[tuple[list[int], torch.Tensor]]  # (segment indices, their base (layers, 2, H_kv, P, D))
+    rep: int  # query heads per key head
+    writes: list[list[torch.Tensor]]  # per layer: every segment's new-key views, then new-value views
+    keys: list[list[torch.Tensor]]  # per layer, per segment (1, H_kv, own + L, D): its own positions
+    values: list[list[torch.Tensor]]
+    rows: list[slice]  # per segment: its rows of the folded queries
+    masks: list[torch.Tensor | None]  # per segment (rep * L, own + L), rows in folded order
+    groups: list[_Group]
 
     @property
     def sizes(self) -> list[int]:
@@ -140,19 +152,27 @@ class StepPlan:
     def of(cls, segments: list[Segment], device: torch.device | str, dtype: torch.dtype = torch.float32,
            rep: int = 1) -> StepPlan:
         """`rep`: query heads per key head (the model's GQA ratio)."""
-        by_base: dict[tuple[int, int], tuple[list[int], torch.Tensor]] = {}
-        views = []
+        new_k, new_v, keys, values, rows, masks = [], [], [], [], [], []
+        by_base: dict[tuple[int, int], list[int]] = {}
         for i, s in enumerate(segments):
             s.kv.reserve(s.kv.length + s.n)
             past, total, data = s.kv.own, s.kv.own + s.n, s.kv.data
-            mask = _own_mask(s, device, dtype)
-            if mask is not None and s.kv.base is not None:
-                mask = mask.repeat(rep, 1)
-            views.append(_Views(data[:, 0, :, past:total], data[:, 1, :, past:total],
-                                data[:, 0, None, :, :total], data[:, 1, None, :, :total], mask))
+            new_k.append(data[:, 0, :, past:total].unbind(0))  # per layer (H_kv, L, D)
+            new_v.append(data[:, 1, :, past:total].unbind(0))
+            keys.append(data[:, 0, None, :, :total].unbind(0))  # per layer (1, H_kv, own + L, D)
+            values.append(data[:, 1, None, :, :total].unbind(0))
+            rows.append(slice(rep * s.start, rep * s.stop))
+            masks.append(_own_mask(s, device, dtype, rep))
             if (key := s.kv.base_key()) is not None:
-                by_base.setdefault(key, ([], s.kv.base))[0].append(i)
-        return cls(segments, views, list(by_base.values()))
+                by_base.setdefault(key, []).append(i)
+        layers = segments[0].kv.data.shape[0] if segments else 0
+        groups = [_Group(members, _rows_of(members, segments, rep, device),
+                         segments[members[0]].kv.base[:, 0, None].unbind(0),
+                         segments[members[0]].kv.base[:, 1, None].unbind(0)) for members in by_base.values()]
+        return cls(segments, rep,
+                   [[k[layer] for k in new_k] + [v[layer] for v in new_v] for layer in range(layers)],
+                   [[k[layer] for k in keys] for layer in range(layers)],
+                   [[v[layer] for v in values] for layer in range(layers)], rows, masks, groups)
 
     def commit(self) -> None:
         """After the forward: every layer has written the segments' keys and values."""
@@ -160,29 +180,24 @@ class StepPlan:
             s.kv.own += s.n
 
 
-def _own_mask(s: Segment, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor | None:
-    """(L, own + L) additive (0 or -inf; the flash kernel takes no booleans) over the call's own
-    positions, or None where none is needed: one query sees all it has, and a whole causal chunk
-    with nothing before it and no base is SDPA's is_causal (which aligns to the top-left corner,
-    so only there). Base positions come before every query: they need no mask at all."""
-    past = s.kv.own
-    if s.n == 1 or (past == 0 and s.kv.base is None):
+def _rows_of(members: list[int], segments: list[Segment], rep: int, device) -> slice | torch.Tensor:
+    """The folded query rows of these segments, in their order: a slice when they are adjacent."""
+    if all(b == a + 1 for a, b in zip(members, members[1:])):
+        return slice(rep * segments[members[0]].start, rep * segments[members[-1]].stop)
+    return torch.cat([torch.arange(rep * segments[i].start, rep * segments[i].stop, device=device) for i in members])
+
+
+def _own_mask(s: Segment, device: torch.device | str, dtype: torch.dtype, rep: int) -> torch.Tensor | None:
+    """(rep * L, own + L) additive (0 or -inf; the flash kernel takes no booleans) over the call's
+    own positions, rows in folded order (a query's `rep` heads in a row), or None where one
+    query sees all it has. Base positions come before every query: they need no mask at all."""
+    if s.n == 1:
         return None
+    past = s.kv.own
     q = torch.arange(s.n, device=device)[:, None]
     k = torch.arange(past + s.n, device=device)[None, :]
-    return torch.zeros(q.shape[0], k.shape[1], dtype=dtype, device=device).masked_fill_(k > past + q, float("-inf"))
-
-
-def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(1, H, L, D) -> (1, H_kv, rep * L, D): the query heads that share a key head become rows of
-    that head, so the flash kernel reads each key and value once per key head."""
-    _, h, n, d = q.shape
-    return q.reshape(1, kv_heads, (h // kv_heads) * n, d)
-
-
-def _unfold(out: torch.Tensor, heads: int) -> torch.Tensor:
-    _, kv_heads, rows, d = out.shape
-    return out.reshape(1, heads, rows * kv_heads // heads, d)
+    mask = torch.zeros(s.n, past + s.n, dtype=dtype, device=device).masked_fill_(k > past + q, float("-inf"))
+    return mask.repeat_interleave(rep, 0)
 
 
 def batched_decode_attention(
@@ -196,44 +211,62 @@ def batched_decode_attention(
     step_plan: StepPlan | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:  # (1, T, H, D)
+    """transformers' face of `attend` (the engine's step through the model's own forward)."""
     if step_plan is None:
         raise ValueError(f"{NAME} needs a step_plan (the embedded engine passes one)")
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise ValueError(f"{NAME} does not support softcap or sliding-window attention")
-    layer, heads, kv_heads = module.layer_idx, query.shape[1], key.shape[1]
-    plan, sizes = step_plan, step_plan.sizes
-    queries, keys, values = query.split(sizes, 2), key[0].split(sizes, 1), value[0].split(sizes, 1)
-    outs: list[torch.Tensor | None] = [None] * len(sizes)
-    own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sizes)  # (out, lse), folded
-    for i, (s, v) in enumerate(zip(plan.segments, plan.views)):
-        v.k_new[layer].copy_(keys[i])
-        v.v_new[layer].copy_(values[i])
-        if s.kv.base is None:  # one part: plain SDPA over its own positions
-            outs[i] = F.scaled_dot_product_attention(
-                queries[i], v.keys[layer], v.values[layer], attn_mask=v.mask, is_causal=v.mask is None and s.n > 1,
-                scale=scaling, enable_gqa=heads != kv_heads)
-        else:
-            own[i] = _flash(_fold(queries[i], kv_heads), v.keys[layer], v.values[layer], attn_mask=v.mask,
-                            scale=scaling)
-    for members, base in plan.groups:
-        folded = [_fold(queries[i], kv_heads) for i in members]
-        stacked = torch.cat(folded, 2) if len(folded) > 1 else folded[0]
-        base_out, base_lse = _flash(stacked, base[layer, 0, None], base[layer, 1, None], scale=scaling)
-        own_out = torch.cat([own[i][0] for i in members], 2) if len(members) > 1 else own[members[0]][0]
-        own_lse = torch.cat([own[i][1] for i in members], 2) if len(members) > 1 else own[members[0]][1]
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 step_plan, scaling)
+    return out.view(1, out.shape[0], query.shape[1], -1), None
+
+
+def attend(
+    layer: int,
+    query: torch.Tensor,  # (T, H, D)
+    key: torch.Tensor,  # (T, H_kv, D)
+    value: torch.Tensor,  # (T, H_kv, D)
+    plan: StepPlan,
+    scaling: float | None,
+) -> torch.Tensor:  # (T, H * D)
+    """One layer's attention for the step: writes the segments' new keys and values into their
+    calls' caches, then attends per call, the base of a group once for all its members.
+
+    Queries are folded once for the whole step: the `rep` query heads that share a key head
+    become rows of that head, (1, H_kv, T * rep, D) with a token's heads in adjacent rows. Every
+    call's rows are then a slice, and the flash kernel reads each key and value once per key
+    head. A row's result does not depend on the other rows in the call."""
+    tokens, heads, dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.view(tokens, kv_heads, plan.rep, dim).transpose(0, 1).reshape(1, kv_heads, tokens * plan.rep, dim)
+    sizes = plan.sizes
+    torch._foreach_copy_(plan.writes[layer], [*key.transpose(0, 1).split(sizes, 1), *value.transpose(0, 1).split(sizes, 1)])
+    keys, values = plan.keys[layer], plan.values[layer]
+    parts = [_flash(folded[:, :, rows], k, v, attn_mask=mask, scale=scaling)  # (out, lse) over own positions
+             for rows, k, v, mask in zip(plan.rows, keys, values, plan.masks)]
+    outs = [out for out, _ in parts]
+    for g in plan.groups:
+        stacked = folded[:, :, g.rows] if isinstance(g.rows, slice) else folded.index_select(2, g.rows)
+        base_out, base_lse = _flash(stacked, g.keys[layer], g.values[layer], scale=scaling)
+        own_out = torch.cat([parts[i][0] for i in g.members], 2) if len(g.members) > 1 else parts[g.members[0]][0]
+        own_lse = torch.cat([parts[i][1] for i in g.members], 2) if len(g.members) > 1 else parts[g.members[0]][1]
         merged = _merge(base_out, base_lse, own_out, own_lse)  # rows in the same order: one merge per group
-        for i, part in zip(members, merged.split([f.shape[2] for f in folded], 2)):
-            outs[i] = _unfold(part, heads)
-    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
-    return out.transpose(1, 2).contiguous(), None
+        if len(g.members) == len(outs):  # every call shares this base (the usual step): nothing to reassemble
+            outs = [merged]
+            break
+        for i, part in zip(g.members, merged.split([outs[i].shape[2] for i in g.members], 2)):
+            outs[i] = part
+    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # (1, H_kv, T * rep, D)
+    return out[0].reshape(kv_heads, tokens, plan.rep, dim).transpose(0, 1).reshape(tokens, heads * dim)
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Softmax attention over the union of two disjoint key sets, from each set's normalised
-    output and log-sum-exp: the weights are each part's share of the total mass."""
-    top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
-    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
+    output and log-sum-exp: part a's weight is its share of the total mass,
+    e^lse_a / (e^lse_a + e^lse_b) = sigmoid(lse_a - lse_b). In float32 whatever the cache's dtype
+    (the log-sum-exps are float32), so a bf16 step rounds once."""
+    share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(out_b.float(), out_a.float(), share_a).to(out_a.dtype)
 
 
 AttentionInterface.register(NAME, batched_decode_attention)

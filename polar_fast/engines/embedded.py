@@ -31,9 +31,11 @@ token of a call is therefore sampled by one set of weights, and `Generation.poli
 them; `version_changes` stays empty. Applying an update between two steps would also need the
 calls in flight re-prefilled under the new weights, which on a CPU costs more than the wait.
 
-Models: any HF causal LM whose layers all go through transformers' attention interface (Llama,
-Qwen2/3, Mistral without sliding windows, ...). Hybrid models (Gated DeltaNet layers) are
-refused: serve them with vLLM.
+The forward itself is decode_step.py's: for Llama-shaped models (SmolLM2) a fused loop over the
+weights, in float32 or the learner's bf16 autocast recipe (`engine.dtype`), optionally compiled
+(`engine.compile`). Models: any HF causal LM whose layers all go through transformers' attention
+interface (Llama, Qwen2/3, Mistral without sliding windows, ...). Hybrid models (Gated DeltaNet
+layers) are refused: serve them with vLLM.
 """
 
 from __future__ import annotations
@@ -99,23 +101,27 @@ class _Update:
 
 
 class EmbeddedEngine:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
-        from polar_fast.engines import batched_attention
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, *, fused: bool = True) -> None:
+        """`fused=False`: transformers' own forward even where the fused step applies (the
+        reference bench/engine_bench.py measures the fused step against)."""
+        from polar_fast.engines import decode_step
         from polar_fast.model import load_model, load_tokenizer
 
         self._model_cfg = model_cfg
         self._engine_cfg = engine_cfg
-        self.model = load_model(model_cfg.path, dtype=engine_cfg.dtype, device=engine_cfg.device)
+        # float32 in: the step keeps what it computes in float32 so (decode_step.py, "Precision")
+        self.model = load_model(model_cfg.path, dtype="float32", device=engine_cfg.device)
         _check_batchable(self.model)
-        self.model.set_attn_implementation(batched_attention.NAME)
         self.model.eval()
+        self.max_batch = engine_cfg.max_batch or DEFAULT_MAX_BATCH
+        self.forward = decode_step.for_model(self.model, dtype=engine_cfg.dtype, compile=engine_cfg.compile,
+                                             fused=fused, rows=self.max_batch)
         tokenizer = load_tokenizer(model_cfg.path)
         self._stop_ids = {tokenizer.eos_token_id} | set(
             _as_list(getattr(self.model.generation_config, "eos_token_id", None))
         )
         config = self.model.config
         self._rep = config.num_attention_heads // config.num_key_value_heads  # query heads per key head
-        self.max_batch = engine_cfg.max_batch or DEFAULT_MAX_BATCH
         self.prefill_chunk_tokens = engine_cfg.prefill_chunk_tokens
         self.policy_version = 0
         self.prefix_cache = PrefixCache()
@@ -247,7 +253,7 @@ class EmbeddedEngine:
                 if n > reused:
                     cache, reused = other.kv.copy_prefix(n), n
         call.kv = cache if cache is not None else CallKV.for_model(
-            self.model.config, dtype=self.model.dtype, device=self._engine_cfg.device, capacity=needed)
+            self.model.config, dtype=self.forward.dtype, device=self._engine_cfg.device, capacity=needed)
         call.kv.reserve(needed)  # once, so the cache never grows while the call decodes
 
     def _step(self, batch: list[_Call]) -> list[_Call]:
@@ -278,33 +284,49 @@ class EmbeddedEngine:
             positions.extend(range(start, start + len(chunk)))
             if start + len(chunk) >= len(call.prompt):  # the prompt is in: this row gives the next token
                 samplers.append((call, len(tokens) - 1))
-        device = self._engine_cfg.device
-        plan = StepPlan.of(segments, device, self.model.dtype, rep=self._rep)
-        hidden = self.model.get_decoder()(
-            input_ids=torch.tensor([tokens], device=device), position_ids=torch.tensor([positions], device=device),
-            attention_mask=None, use_cache=False, step_plan=plan,
-        ).last_hidden_state[0]  # (T, H)
+        plan = StepPlan.of(segments, self._engine_cfg.device, self.forward.dtype, rep=self._rep)
+        logits = self.forward.logits(tokens, positions, plan, [row for _, row in samplers])  # (B, V)
         plan.commit()
         self._stats["steps"] += 1
         if samplers:
-            rows = torch.tensor([row for _, row in samplers], device=device)
-            logits = self.model.get_output_embeddings()(hidden.index_select(0, rows)).float()  # (B, V)
             if softcap := getattr(self.model.config, "final_logit_softcapping", None):
                 logits = torch.tanh(logits / softcap) * softcap
-            for (call, _), row in zip(samplers, logits):
-                self._sample_into(call, row)
+            self._sample_into([call for call, _ in samplers], logits)
             self._stats["decoded_tokens"] += len(samplers)
             self._stats["decode_steps"] += 1
             self._stats["batch_tokens_max"] = max(self._stats["batch_tokens_max"], len(samplers))
         return [c for c in batch if not self._finish_if_done(c)]
 
-    def _sample_into(self, call: _Call, logits: torch.Tensor) -> None:
+    def _sample_into(self, calls: list[_Call], logits: torch.Tensor) -> None:
+        """Each call's next id and its logprob, from its row of logits (B, V), in a few ops for the
+        whole batch: row-wise kernels compute a row alike in any batch, and each call's noise
+        comes from its own generator, so batch-mates never change what a call samples."""
         import torch
 
-        token = _sample(logits, call.sampling, call.generator)
-        scaled = logits / call.sampling.temperature if call.sampling.temperature > 0 else logits
-        call.ids.append(token)
-        call.logprobs.append(torch.log_softmax(scaled, dim=-1)[token].item())
+        temperatures = torch.tensor([[c.sampling.temperature if c.sampling.temperature > 0 else 1.0] for c in calls])
+        scaled = logits / temperatures
+        logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+        ids: list[int | None] = [None] * len(calls)
+        plain = [i for i, c in enumerate(calls) if c.sampling.temperature > 0 and c.sampling.top_p >= 1.0]
+        if plain:
+            # argmax(p / E) with E ~ Exp(1) per entry is an exact sample of p (what torch.multinomial
+            # does); E = -log(U) from the call's own generator costs a quarter of multinomial's
+            # exponential_. Unlike an inverse-CDF draw, the choice flips only when two candidates tie
+            # within the logits' rounding, so a call samples the same ids whatever batch computed them.
+            rows = torch.tensor(plain)
+            probs = torch.softmax(scaled.index_select(0, rows), dim=-1)
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(plain):
+                torch.rand(probs.shape[1], generator=calls[i].generator, out=noise[j])
+            for i, token in zip(plain, torch.argmax(probs / noise.log_().neg_(), dim=-1).tolist()):
+                ids[i] = token
+        for i, call in enumerate(calls):
+            if ids[i] is None:  # greedy, or top-p: one row at a time
+                ids[i] = _sample(logits[i], call.sampling, call.generator)
+        chosen = logp[torch.arange(len(calls)), torch.tensor(ids)].tolist()
+        for call, token, lp in zip(calls, ids, chosen):
+            call.ids.append(token)
+            call.logprobs.append(lp)
 
     def _finish_if_done(self, call: _Call) -> bool:
         if _dropped(call):
@@ -338,7 +360,7 @@ class EmbeddedEngine:
         from polar_fast.model import load_model
 
         if named_tensors is None:
-            fresh = load_model(self._model_cfg.path, dtype=self._engine_cfg.dtype, device="cpu")
+            fresh = load_model(self._model_cfg.path, dtype="float32", device="cpu")
             named_tensors = fresh.state_dict().items()
         self.prefix_cache.clear()  # keys and values of the old weights
         state = self.model.state_dict()
@@ -346,7 +368,8 @@ class EmbeddedEngine:
             for name, tensor in named_tensors:
                 if name not in state:
                     raise KeyError(f"update_weights: the model has no tensor named {name!r}")
-                state[name].copy_(tensor)
+                state[name].copy_(tensor)  # into the step's packed weights too: they are views
+            self.forward.refresh()
 
 
 def _check_batchable(model: Any) -> None:
@@ -389,10 +412,7 @@ def _sample(logits, sampling: Sampling, generator) -> int:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < sampling.top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    # argmax(p / E) with E ~ Exp(1) per entry is an exact sample of p (what torch.multinomial
-    # does); E = -log(U) from the call's own generator costs a quarter of multinomial's
-    # exponential_. Unlike an inverse-CDF draw, the choice flips only when two candidates tie
-    # within the logits' rounding, so a call samples the same ids whatever batch computed them.
+    # the draw EmbeddedEngine._sample_into makes for a whole batch, for one row
     noise = torch.rand(probs.shape, generator=generator, device=probs.device).log_().neg_()
     return int(torch.argmax(probs / noise).item())
 
