@@ -1,8 +1,9 @@
 """The default configuration runs end to end: run.toml as shipped (warm start, seeded sampling,
 generated tasks, the real SmolLM2 weights in the embedded engine, mini-swe-agent in a local
-sandbox), cut to one GRPO step without the evals. The step trains on the sampled tokens of its
-group exactly when the group's rewards differ: GRPO's advantage is zero in a group whose rollouts
-all score the same, and a step that reports gradient from such a group would be lying.
+sandbox, training rollouts guided up to the edit), cut to one GRPO step without the evals. The
+step trains on the sampled tokens of its group exactly when the group's rewards differ: GRPO's
+advantage is zero in a group whose rollouts all score the same, and a step that reports gradient
+from such a group would be lying.
 
 Whether the shipped warm start gives a group with reward variance is the policy's business, not
 the plumbing's: after the careful teacher's demonstrations SmolLM2-135M passes few tasks (see
@@ -57,6 +58,18 @@ async def test_the_default_run_trains_on_sampled_tokens_of_a_group_with_reward_v
     else:  # the skips ran out on groups that all scored alike: no advantage, so no gradient
         assert len(skipped) == cfg.run.zero_variance_skips
         assert step["learner/n_terms"] == 0 and step["learner/grad_norm"] == 0
-    # each call sampled under its own seed: the group's first calls share a prompt, not their samples
-    firsts = [c.completion_ids for c in contents.calls if c.group_id == trained and c.call_index == 0]
-    assert len({tuple(f) for f in firsts}) > 1
+    # guided up to the edit (run.toml's [guide]): each rollout's first calls are the teacher's, in
+    # the log but never trained; the policy's own calls come after them
+    calls = [c for c in contents.calls if c.group_id == trained]
+    guided = [c for c in calls if c.guided]
+    assert cfg.guide.until == "edit" and guided
+    scored = {r.rollout_id for r in contents.rollouts if r.group_id == trained and r.reward is not None}
+    assert scored <= {c.rollout_id for c in guided}
+    sampled = sorted((c for c in calls if not c.guided), key=lambda c: (c.rollout_id, c.call_index))
+    assert sampled and all(c.call_index > max((g.call_index for g in guided if g.rollout_id == c.rollout_id), default=-1)
+                           for c in sampled)
+    # each call sampled under its own seed: the group's first own calls share a prompt, not their samples
+    firsts = {}
+    for c in sampled:
+        firsts.setdefault(c.rollout_id, c.completion_ids)
+    assert len({tuple(f) for f in firsts.values()}) > 1
