@@ -12,6 +12,7 @@ estimate of the learner's own part beside it.
     .venv/bin/python bench/learner_rss_bench.py --quick    # two settings at 1024 tokens (~1 min)
     .venv/bin/python bench/learner_rss_bench.py            # seven settings at 8192 and 4096 tokens
     .venv/bin/python bench/learner_rss_bench.py --settings "bfloat16,1,8192;float32,0,2048"
+    .venv/bin/python bench/learner_rss_bench.py --malloc-kib 0   # glibc's own mmap threshold
 
 Last line: `RESULT peak_gib_<dtype>_<gc|nogc>_<tokens>=.. ...`.
 """
@@ -47,7 +48,7 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def one_setting(dtype: str, checkpointing: bool, tokens: int) -> dict:
+def one_setting(dtype: str, checkpointing: bool, tokens: int, malloc_kib: int | None = None) -> dict:
     """Runs in the child: build, two steps, measure."""
     from memory_bench import groups
 
@@ -58,6 +59,8 @@ def one_setting(dtype: str, checkpointing: bool, tokens: int) -> dict:
 
     raw = {"merge": {"max_tokens": tokens},
            "learner": {"dtype": dtype, "gradient_checkpointing": checkpointing, "logprob_chunk_tokens": 1024}}
+    if malloc_kib is not None:  # else the config's default
+        raw["learner"]["malloc_mmap_threshold_kib"] = malloc_kib
     cfg = parse_config(raw)
     learner = Learner(cfg.learner, load_model(""), layout="tree", max_tokens=tokens)
     built = current_rss_bytes()
@@ -71,9 +74,10 @@ def one_setting(dtype: str, checkpointing: bool, tokens: int) -> dict:
             "peak_gib": peak_rss_bytes() / GIB, "step_s": step_s, "estimate_gib": estimate / GIB}
 
 
-def run_child(setting: tuple[str, bool, int]) -> dict:
+def run_child(setting: tuple[str, bool, int], malloc_kib: int | None) -> dict:
     dtype, checkpointing, tokens = setting
-    done = subprocess.run([sys.executable, __file__, "--child", f"{dtype},{int(checkpointing)},{tokens}"],
+    kib = "" if malloc_kib is None else malloc_kib
+    done = subprocess.run([sys.executable, __file__, "--child", f"{dtype},{int(checkpointing)},{tokens},{kib}"],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"learner_rss_bench: {setting} failed:\n{done.stderr[-3000:]}")
@@ -84,11 +88,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two settings at 1024 tokens")
     p.add_argument("--settings", help='"dtype,gc,tokens;..." instead of the table\'s (gc: 0 or 1)')
+    p.add_argument("--malloc-kib", type=int, help="learner.malloc_mmap_threshold_kib for every setting "
+                   "(0: glibc's own threshold; default: the config's)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        dtype, checkpointing, tokens = args.child.split(",")
-        print(json.dumps(one_setting(dtype, bool(int(checkpointing)), int(tokens))))
+        dtype, checkpointing, tokens, kib = args.child.split(",")
+        print(json.dumps(one_setting(dtype, bool(int(checkpointing)), int(tokens), int(kib) if kib else None)))
         return 0
     print("| learner.dtype | gradient_checkpointing | merge.max_tokens | RSS built GiB | peak RSS GiB | step s "
           "| estimate GiB |")
@@ -98,7 +104,7 @@ def main() -> int:
     if args.settings:
         settings = [(d, bool(int(g)), int(t)) for d, g, t in (item.split(",") for item in args.settings.split(";"))]
     for setting in settings:
-        r = run_child(setting)
+        r = run_child(setting, args.malloc_kib)
         print(f"| {r['dtype']} | {str(r['gc']).lower()} | {r['tokens']} | {r['built_gib']:.2f} | {r['peak_gib']:.2f} "
               f"| {r['step_s']:.1f} | {r['estimate_gib']:.2f} |", flush=True)
         result.append(f"peak_gib_{SHORT[r['dtype']]}_{'gc' if r['gc'] else 'nogc'}_{r['tokens']}={r['peak_gib']:.2f}")

@@ -210,6 +210,9 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # a CPU learner's freed activations go back to the OS at once: glibc's mmap threshold fixed at
+    # this many KiB (learner/host_memory.py; 0 = glibc's own, which keeps them resident)
+    malloc_mmap_threshold_kib: int = 128
     # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa on CPU; the learner runs
     # sdpa per block of the packed batch, never on a (T, T) mask (learner/packed_attention.py)
     attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
@@ -221,6 +224,9 @@ class LearnerConfig(_Section):
         if not 0 <= self.is_mask_low < 1 < self.is_mask_high:
             raise ValueError(f"learner.is_mask_low ({self.is_mask_low}) and is_mask_high ({self.is_mask_high}) must "
                              "bracket 1: the band holds the ratios of an engine that agrees with the learner")
+        if self.malloc_mmap_threshold_kib < 0:
+            raise ValueError(f"learner.malloc_mmap_threshold_kib ({self.malloc_mmap_threshold_kib}) must be >= 0 "
+                             "(0 leaves glibc's own threshold)")
         if self.is_cap < 1:
             raise ValueError(f"learner.is_cap ({self.is_cap}) must be at least 1: below it tis would down-weight "
                              "tokens the engine and learner agree on")

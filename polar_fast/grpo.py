@@ -64,6 +64,7 @@ from polar_fast.config import Config, LearnerConfig
 from polar_fast.learner import losses, mismatch, packed_attention, packed_check, packed_forward
 from polar_fast.learner.batches import LAYOUTS, StepBatch, check_layout, group_batches, percall_batches, split_weights
 from polar_fast.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polar_fast.learner.host_memory import fix_mmap_threshold
 from polar_fast.learner.mismatch import Gate, MismatchError
 from polar_fast.learner.packed_forward import PackedLM, batch_tensors, loss_terms
 from polar_fast.learner.step_control import StepControl, StepInterrupted
@@ -475,6 +476,8 @@ class Learner:
         self.merge_impl = merge_impl
         self.device = torch.device(cfg.device)
         self.rank, self.world = _world()
+        if self.device.type == "cpu":  # freed activations leave the heap (5.1 -> 3.6 GiB at 4k tokens)
+            fix_mmap_threshold(cfg.malloc_mmap_threshold_kib)
         on_meta = _prepare_model(model, cfg, layout=layout, device=self.device, world=self.world,
                                  merge_impl=merge_impl)
         self.ref = None
