@@ -55,6 +55,24 @@ def test_sft_lowers_the_loss_on_its_rows_and_writes_a_loadable_model(tmp_path):
     assert changed  # the saved weights are the fine-tuned ones
 
 
+def test_sft_fits_the_models_own_distribution_whatever_the_runs_sampling_temperature(tmp_path, tiny_model):
+    # a warm start is cached without the sampling temperature: sft must not compute with it
+    write_rows(tmp_path / "data", token_rows())
+    seen = []
+
+    def build(cfg):
+        seen.append(cfg.sampling.temperature)
+        return Learner.from_config(cfg)
+
+    nll = {}
+    for temperature in (0.7, 1.0):
+        cfg = parse_config({"model": {"path": str(tiny_model)}, "sampling": {"temperature": temperature},
+                            "sft": {"epochs": 1, "lr": 1e-4, "rows_per_step": 2}})
+        nll[temperature] = run_sft(cfg, tmp_path / "data", build, out_dir=tmp_path / f"model-{temperature}").nll_before
+    assert seen == [1.0, 1.0]
+    assert nll[0.7] == nll[1.0]
+
+
 def test_bad_rows_are_named(tmp_path):
     with pytest.raises(SftError, match="write them with `python -m polar_fast export`"):
         read_rows(tmp_path / "missing")

@@ -95,7 +95,10 @@ def run_sft(cfg: Config, data: str | Path, build_learner: Callable[[Config], Sft
     rows = read_rows(data)
     started = time.perf_counter()
     learner_cfg = msgspec.structs.replace(cfg.learner, lr=sc.lr if lr is None else lr, kl_coef=0.0)
-    learner = build_learner(msgspec.structs.replace(cfg, learner=learner_cfg))
+    # the NLL of the model's own distribution (temperature 1): sampling.temperature is how a run
+    # draws from the model, not what sft fits, and a warm start must not change with it
+    sampling = msgspec.structs.replace(cfg.sampling, temperature=1.0)
+    learner = build_learner(msgspec.structs.replace(cfg, learner=learner_cfg, sampling=sampling))
     packing = {"layout": cfg.merge.layout, "max_tokens": cfg.merge.max_tokens}
     everything = nll_step_batch(rows, **packing)
     before = learner.nll(everything) if measure else float("nan")
