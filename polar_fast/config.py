@@ -212,7 +212,7 @@ class LearnerConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # a CPU learner's freed activations go back to the OS at once: glibc's mmap threshold fixed at
     # this many KiB (learner/host_memory.py; 0 = glibc's own, which keeps them resident)
-    malloc_mmap_threshold_kib: int = 128
+    malloc_mmap_threshold_kib: int = 4096
     # attention kernel: "auto" = flex_attention (BlockMask) on CUDA, sdpa on CPU; the learner runs
     # sdpa per block of the packed batch, never on a (T, T) mask (learner/packed_attention.py)
     attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"

@@ -5,11 +5,17 @@ MiB, of shapes that change from layer to layer and between forward, recompute an
 glibc serves a block above its mmap threshold with its own mapping, unmapped when freed, but it
 raises that threshold to the size of each mapped block freed (up to 32 MiB). After the first few
 frees every activation is carved from the heap instead, whose freed holes stay resident and
-rarely fit the next shapes: measured with bench/learner_rss_bench.py, a bf16 step of
-SmolLM2-135M at 4,096 tokens peaked at 5.07 GiB that way and at 3.63 GiB with the threshold
-fixed at 128 KiB. Fixing the threshold (mallopt) also stops glibc adjusting it, and the trim
-threshold returns the heap's free top likewise. The setting is per process, so it also holds for
-the embedded engine beside the learner; it costs a page fault per fresh page of a large block.
+rarely fit the next shapes. Measured with bench/learner_rss_bench.py --malloc-kib on 2 cores, a
+bf16 step of SmolLM2-135M at 4,096 tokens with checkpointing:
+
+    threshold   glibc's own   128 KiB   1 MiB   4 MiB (default)
+    peak GiB    4.73          3.63      3.65    3.83
+    step s      33.6          49.0      43.6    37.5
+
+A mapped block costs a page fault per fresh page, so the lower the threshold the slower the
+step; 4 MiB keeps most of the saving for 12% of step time. Fixing the threshold (mallopt) also
+stops glibc adjusting it, and the trim threshold returns the heap's free top likewise. The
+setting is per process, so it also holds for the embedded engine beside the learner.
 """
 
 from __future__ import annotations
