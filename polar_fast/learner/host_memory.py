@@ -42,7 +42,8 @@ def _libc():
 
 def fix_mmap_threshold(kib: int) -> bool:
     """Serve blocks above `kib` KiB from their own mappings, returned to the OS when freed, and
-    trim the heap's free top above it. 0 leaves glibc's dynamic threshold. True when applied."""
+    trim the heap's free top above it. True when applied. 0 changes nothing: glibc's dynamic
+    threshold stays, unless an earlier call in this process fixed one (mallopt cannot undo that)."""
     if kib < 0:
         raise ValueError(f"learner.malloc_mmap_threshold_kib must be >= 0, got {kib}")
     libc = _libc()
