@@ -263,6 +263,9 @@ class WarmStartConfig(_Section):
     fixes, played through the real harness, exported and fine-tuned on. Cached by content."""
 
     demos: int = 0  # teacher demonstrations per task family ("demos" split); 0 = no warm start
+    # the teacher's form, for the demonstrations and the guide alike: "careful" (search, read,
+    # reproduce, edit, check, submit) or "short" (a grep showing the lines to change, edit, submit)
+    plan: Literal["careful", "short"] = "careful"
     epochs: int = 3
     lr: float = 5e-5
     rows_per_step: int = 4

@@ -238,7 +238,7 @@ async def run_eval(cfg: Config, *, harnesses: Sequence[str] = (), samples: int =
         hdir = run_dir / name
         await asyncio.to_thread(hdir.mkdir, parents=True, exist_ok=True)
         engine = engine_for(hcfg) if engine_for else None
-        guide = Guide.for_run(cfg.guide, name) if guided else None
+        guide = Guide.for_run(cfg.guide, name, cfg.warm_start.plan) if guided else None
         async with rollout_side(hcfg, hdir, emit=emit, engine=engine) as stack:  # here, or on a Ray cluster
             records = await evaluate_tasks(stack, tasks, samples, purpose=purpose, guide=guide)
         scores.append(score_harness(name, records, ks, [t.instance_id for t in tasks]))

@@ -191,7 +191,7 @@ async def train(cfg: Config, *, resume: bool = False, on_event: Callable[[str, d
                                     image=tc.image, families=tc.families or None, per_family=tc.per_family)
     if not tasks:
         raise RunError("the task source yielded no tasks")
-    guide = Guide.for_run(cfg.guide, cfg.harness.name)  # a bad guide fails now, before anything starts
+    guide = Guide.for_run(cfg.guide, cfg.harness.name, cfg.warm_start.plan)  # a bad guide fails now, before anything starts
     if guide is not None:
         await asyncio.to_thread(guide.prepare, tasks)
     if cfg.sandbox.kind == "docker":  # a missing image is one clear error now, not an infra failure per rollout

@@ -57,7 +57,7 @@ def demo_tasks(cfg: Config, *, skip: int = 0, per_family: int | None = None):
 
 def demonstrations(cfg: Config, tasks) -> dict[str, list[list[str]]]:
     """The teacher's replies per task statement: the PlaybookEngine's plays."""
-    teacher = teacher_for(cfg.harness.name)
+    teacher = teacher_for(cfg.harness.name, cfg.warm_start.plan)
     return {t.problem_statement: [teacher.replies(t)] for t in tasks}
 
 

@@ -39,6 +39,55 @@ def test_a_rename_is_one_word_swap_everywhere():
     assert word_swap(fix_plan(family_task("operator", 2))) is None
 
 
+def _assert_the_short_search_shows_its_edit(task):
+    """Runs the short form's grep in the task's repo: its output names the file the edit writes
+    and holds every text the edit replaces."""
+    import shlex
+    import subprocess
+
+    from polar_fast.teachers.moves import short_plan
+
+    search, edit, plan = short_plan(fix_plan(task))
+    shown = subprocess.run(search, shell=True, cwd=task.repo_snapshot, capture_output=True, text=True,
+                           check=True).stdout
+    swap = word_swap(plan) if ", -1)" in edit else None
+    for path, old, new in plan.edits:
+        assert f"./{path}:" in shown and old.strip() in shown, (search, shown)
+        replaced = swap[0] if swap else old  # a rename replaces the name everywhere in its file
+        code = " ".join(shlex.split(edit))  # the python the shell runs
+        assert f"Path({path!r})" in code and repr(replaced) in code, edit
+    return search, edit
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_short_search_shows_what_its_edit_copies(family):
+    """The short form's premise: the policy's edit copies only what its one search showed; three
+    calls, the submit alone (mini.yaml: "Do not combine it with any other command")."""
+    import json
+
+    for seed in (0, 1, 2):
+        task = family_task(family, seed)
+        search, edit = _assert_the_short_search_shows_its_edit(task)
+        replies = teacher_for("mini-swe-agent", "short").replies(task)
+        commands = [json.loads(r.split("<tool_call>\n", 1)[1].split("\n</tool_call>")[0])["arguments"]["command"]
+                    for r in replies]
+        assert commands == [search, edit, "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"]
+
+
+def test_the_short_form_of_a_builtin_task_or_its_careful_steps():
+    """A built-in task's edit either shows in one grep, or the teacher keeps the careful steps
+    (leapyear's edit sits more than SHORT_CONTEXT_MAX lines below the function it names)."""
+    from polar_fast.teachers.moves import short_plan
+
+    builtin = {t.instance_id.split("-")[0]: t for t in load_builtin()}
+    _assert_the_short_search_shows_its_edit(builtin["builtin__csvline"])
+    leap = builtin["builtin__leapyear"]
+    assert short_plan(fix_plan(leap)) is None
+    assert teacher_for("mini-swe-agent", "short").steps(leap) == teacher_for("mini-swe-agent").steps(leap)
+    with pytest.raises(TeacherError, match="warm_start.plan = 'brief' is not a teacher's form"):
+        teacher_for("mini-swe-agent", "brief")
+
+
 def test_unknown_harness_has_no_teacher():
     with pytest.raises(TeacherError, match="no teacher for harness 'codex'"):
         teacher_for("codex")
@@ -81,8 +130,9 @@ def test_cache_key_follows_the_demonstrations(monkeypatch):
 
 @pytest.mark.anyio
 @pytest.mark.slow
-@pytest.mark.parametrize("harness", ["mini-swe-agent", "pi"])
-async def test_each_teacher_solves_tasks_through_the_real_harness(harness, tmp_path):
+@pytest.mark.parametrize("harness,form", [("mini-swe-agent", "careful"), ("pi", "careful"),
+                                          ("mini-swe-agent", "short")])
+async def test_each_teacher_solves_tasks_through_the_real_harness(harness, form, tmp_path):
     """The demonstrations, typed by a scripted engine through the real CLI and proxy in local
     sandboxes, pass their tasks' tests: one task of every family."""
     import anyio
@@ -94,7 +144,7 @@ async def test_each_teacher_solves_tasks_through_the_real_harness(harness, tmp_p
     cfg = await anyio.to_thread.run_sync(lambda: load_config("run.toml", [
         f"harness.name={harness}", "tasks.families=[]", "warm_start.demos=1", "pools.group_size=1",
         "pools.agent_workers=4"]))
-    teacher = teacher_for(harness)
+    teacher = teacher_for(harness, form)
     tasks = await anyio.to_thread.run_sync(lambda: family_tasks("demos", per_family=1))
     plays = await anyio.to_thread.run_sync(lambda: {t.problem_statement: [teacher.replies(t)] for t in tasks})
     tok = await anyio.to_thread.run_sync(load_tokenizer)

@@ -11,6 +11,10 @@ rather than one command line, and copies its edit from the file it read.
     replies = teacher_for("pi").replies(task)   # list[str], one per model call
     steps = teacher_for("pi").steps(task)       # [(step, reply)]: "search", "read", ..., "edit", ...
 
+Two forms (`warm_start.plan`): "careful" (the steps above) and "short" (moves.short_plan: one grep
+that shows the lines to change with their path, the edit, the end), for a small student and
+short rollouts; a task the short form cannot show in one grep keeps the careful steps.
+
 A teacher's steps are named, so a rollout can be guided up to one of them (guide.py: the teacher
 answers the calls before it, and the policy takes over there).
 """
@@ -54,9 +58,14 @@ from polar_fast.teachers.pi import PiTeacher  # noqa: E402
 TEACHERS: dict[str, type] = {"mini-swe-agent": MiniSweAgentTeacher, "pi": PiTeacher}
 
 
-def teacher_for(harness: str) -> Teacher:
+FORMS = ("careful", "short")  # warm_start.plan: the careful agent's six steps, or moves.short_plan's three
+
+
+def teacher_for(harness: str, form: str = "careful") -> Teacher:
+    if form not in FORMS:
+        raise TeacherError(f"warm_start.plan = {form!r} is not a teacher's form; forms: {', '.join(FORMS)}")
     try:
-        return TEACHERS[harness]()
+        return TEACHERS[harness](form)
     except KeyError:
         raise TeacherError(f"warm_start: no teacher for harness {harness!r} (teachers: {', '.join(TEACHERS)}); "
                            "set warm_start.demos = 0 and start from a model that already speaks its format") from None

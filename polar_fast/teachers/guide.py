@@ -29,7 +29,7 @@ from polar_fast.rollouts.tasks import Task
 from polar_fast.teachers import STEPS, Teacher, teacher_for
 
 
-def check_guide(cfg: GuideConfig, harness: str) -> None:
+def check_guide(cfg: GuideConfig, harness: str, form: str = "careful") -> None:
     """A guide the run can follow: a known step, and a teacher for the harness."""
     if not cfg.until:
         return
@@ -37,7 +37,7 @@ def check_guide(cfg: GuideConfig, harness: str) -> None:
         raise ConfigError(f"guide.until = {cfg.until!r} is not a teacher step; steps: {', '.join(STEPS)}")
     if cfg.shrink_every_steps < 0:
         raise ConfigError(f"guide.shrink_every_steps = {cfg.shrink_every_steps} must be >= 0")
-    teacher_for(harness)  # a TeacherError naming the teachers there are
+    teacher_for(harness, form)  # a TeacherError naming the teachers (or forms) there are
 
 
 class Guide:
@@ -61,9 +61,10 @@ class Guide:
         return steps
 
     @classmethod
-    def for_run(cls, cfg: GuideConfig, harness: str) -> Guide | None:
-        check_guide(cfg, harness)
-        return cls(cfg, teacher_for(harness)) if cfg.until else None
+    def for_run(cls, cfg: GuideConfig, harness: str, form: str = "careful") -> Guide | None:
+        """The run's guide: its teacher in `form` (warm_start.plan), the form the policy learned."""
+        check_guide(cfg, harness, form)
+        return cls(cfg, teacher_for(harness, form)) if cfg.until else None
 
     def replies(self, task: Task, step: int = 0) -> list[str]:
         """The teacher's replies before its `until` step (a task whose plan lacks that step: all

@@ -11,11 +11,15 @@ in the conversation."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import shlex
 
 from polar_fast.teachers.plan import FixPlan
+
+SHORT_CONTEXT = 3  # lines a short search shows after the definition it finds (one -A for every task)
+SHORT_CONTEXT_MAX = 8  # ... more when the edit sits further down; beyond that the plan stays careful
 
 def search_command(plan: FixPlan) -> str:
     return f"grep -rn {shlex.quote(plan.symbol)} --include='*.py' ."
@@ -62,10 +66,10 @@ def word_swap(plan: FixPlan) -> tuple[str, str] | None:
     return (name, renamed) if ok else None
 
 
-def edit_command(plan: FixPlan) -> str:
+def edit_command(plan: FixPlan, *, swap_words: bool = True) -> str:
     """One command making every edit, `python3 -c` with str.replace per edit. A rename replaces
-    the name everywhere in each file, as a person would."""
-    if swap := word_swap(plan):
+    the name everywhere in each file, as a person would (with `swap_words`, any one-word change)."""
+    if swap_words and (swap := word_swap(plan)):
         name, renamed = swap
         edits = [(path, name, renamed, -1) for path in sorted({path for path, _, _ in plan.edits})]
     else:
@@ -76,6 +80,56 @@ def edit_command(plan: FixPlan) -> str:
                 f"p.write_text(s.replace({old!r}, {new!r}, {count}))")
         parts.append(f"python3 -c {shell_quote(code)}")
     return " && ".join(parts)
+
+
+def short_plan(plan: FixPlan) -> tuple[str, str, FixPlan] | None:
+    """(search command, edit command, plan) of the short form: one grep whose output shows every
+    line the edit changes, with its path, so the edit can follow at once (no read, no reproduce,
+    no check); None when no grep shows them (several files, an edit far from the definition),
+    and the teacher keeps the careful form for that task.
+
+    Why: a 135M student copies the edit from its context; the fewer calls before it, the fewer
+    places a rollout can go wrong, and the shorter every prompt (issue 35: rollouts of 2-3 calls
+    let RL take its steps on a CPU). A one-line edit is written without its indentation where
+    that text is still unique in the file, so the copy has fewer characters to get wrong, and
+    only a rename replaces a word everywhere (a changed number is replaced in its line alone)."""
+    swap = word_swap(plan)
+    if swap and swap[0] == plan.symbol:  # a rename: grep shows every line with the name, and its path
+        return f"grep -rn {shlex.quote(swap[0])} --include='*.py' .", edit_command(plan), plan
+    if {path for path, _, _ in plan.edits} != {plan.path} or not plan.symbol:
+        return None
+    lines = plan.source.splitlines()
+    found = next(((i, m.group(1)) for i, line in enumerate(lines) if (m := re.match(
+        rf"\s*((?:async\s+)?(?:def|class)\s+{re.escape(plan.symbol)}\b|{re.escape(plan.symbol)}\s*=)", line))), None)
+    if found is None:
+        return None
+    at, pattern = found
+    defines = not pattern.endswith("=")
+    pattern = re.sub(r"\s+", " ", pattern) if defines else f"{plan.symbol} ="
+    last = at
+    for _, old, _ in plan.edits:
+        first = plan.source[:plan.source.index(old)].count("\n")
+        if first < at:
+            return None
+        last = max(last, first + old.count("\n"))
+    if last - at > SHORT_CONTEXT_MAX:
+        return None
+    context = max(SHORT_CONTEXT, last - at) if defines or last > at else 0
+    after = f" -A{context}" if context else ""
+    plan = dataclasses.replace(plan, edits=[(plan.path, *_unindented(plan.source, old, new))
+                                            for _, old, new in plan.edits])
+    return (f"grep -rn{after} {shlex.quote(pattern)} --include='*.py' .",
+            edit_command(plan, swap_words=False), plan)
+
+
+def _unindented(source: str, old: str, new: str) -> tuple[str, str]:
+    """A one-line edit without its leading indentation, when that text is still unique."""
+    if "\n" in old or "\n" in new:
+        return old, new
+    indent = old[:len(old) - len(old.lstrip())]
+    if indent and new.startswith(indent) and source.count(old.lstrip()) == 1:
+        return old.lstrip(), new[len(indent):]
+    return old, new
 
 
 def _quote(text: str) -> str:

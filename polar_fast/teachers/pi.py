@@ -12,15 +12,23 @@ from polar_fast.teachers.plan import fix_plan
 class PiTeacher:
     harness = "pi"
 
+    def __init__(self, form: str = "careful") -> None:
+        self.form = form
+
     def steps(self, task: Task) -> list[tuple[str, str]]:
         plan, rng = fix_plan(task), rng_for(task, self.harness)
+        short = moves.short_plan(plan) if self.form == "short" else None
 
         def say(step: str, name: str, arguments: dict) -> tuple[str, str]:
             return step, f"{moves.thought(step, plan, rng)}\n{tool_call(name, arguments)}"
 
-        out = [say("search", "bash", {"command": moves.search_command(plan)}),
-               say("read", "read", {"path": plan.path})]
-        if plan.call:
+        if short:  # the short form: search showing the lines to change, then the edits
+            search, _, plan = short
+            out = [say("search", "bash", {"command": search})]
+        else:
+            out = [say("search", "bash", {"command": moves.search_command(plan)}),
+                   say("read", "read", {"path": plan.path})]
+        if plan.call and not short:
             out.append(say("reproduce", "bash", {"command": moves.reproduce_command(plan)}))
         by_path: dict[str, list[dict[str, str]]] = {}
         for path, old, new in plan.edits:
@@ -30,7 +38,8 @@ class PiTeacher:
             arguments = {"path": path, "edits": edits}
             out.append(say("edit", "edit", arguments) if first else ("edit", tool_call("edit", arguments)))
             first = False
-        out.append(say("check", "bash", {"command": moves.check_command(plan, task.test_command)}))
+        if not short:
+            out.append(say("check", "bash", {"command": moves.check_command(plan, task.test_command)}))
         out.append(("finish", moves.thought("finish", plan, rng)))
         return out
 
