@@ -56,6 +56,10 @@ def _assert_the_short_search_shows_its_edit(task):
         replaced = swap[0] if swap else old  # a rename replaces the name everywhere in its file
         code = " ".join(shlex.split(edit))  # the python the shell runs
         assert f"Path({path!r})" in code and repr(replaced) in code, edit
+    cfg = load_config("run.toml", ["warm_start.plan=short"])
+    from polar_fast.warm_start import check_lengths
+
+    check_lengths(cfg, {task.problem_statement: [teacher_for(cfg.harness.name, "short").replies(task)]})
     return search, edit
 
 
@@ -94,12 +98,13 @@ def test_unknown_harness_has_no_teacher():
 
 
 @pytest.mark.parametrize("harness", ["mini-swe-agent", "pi"])
-def test_demonstrations_read_before_they_write_and_fit_the_default_cap(harness):
-    """The default run's cap holds every reply; the file is read before the edit that copies from it."""
+def test_careful_demonstrations_read_before_they_write_and_fit_the_default_cap(harness):
+    """The default run's cap holds every reply; the file is read before the edit that copies from
+    it (the short form's search shows it instead: test_the_short_search_shows_what_its_edit_copies)."""
     from polar_fast.model import load_tokenizer
     from polar_fast.warm_start import check_lengths, demonstrations
 
-    cfg = load_config("run.toml", [f"harness.name={harness}", "tasks.families=[]"])
+    cfg = load_config("run.toml", [f"harness.name={harness}", "tasks.families=[]", "warm_start.plan=careful"])
     tasks = family_tasks("demos", per_family=8)
     plays = demonstrations(cfg, tasks)
     check_lengths(cfg, plays)  # raises when a reply would be cut at max_tokens
