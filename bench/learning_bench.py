@@ -9,8 +9,8 @@ Everything runs through the real stack: the harness CLI in local sandboxes, the 
 the embedded engine with the run's [sampling], the packed learner. Per harness:
 1. warm: the run's warm start (warm_start.py: a careful teacher's demonstrations, then sft);
 2. rl: `--rl-steps` GRPO steps from the warm start on the train split, with the run's recipe
-   (its [guide], difficulty filtering; train.py) and RL_RECIPE over it (groups of 8, lr 1e-5,
-   printed up front), the KL to the warm start and the policy's entropy logged every step;
+   (its [guide], group size, lr, difficulty filtering; train.py), the KL to the warm start and
+   the policy's entropy logged every step;
 3. control: the warm start given the same learner compute as more SFT: more teacher
    demonstrations (demos-split seeds the warm start never saw), the same number of optimizer
    steps as the RL stage, and about the same forwarded tokens per step. RL must beat this, or
@@ -58,12 +58,6 @@ from polar_fast.report.intervals import bootstrap, paired_bootstrap  # noqa: E40
 HELDOUT = "heldout_large"  # frozen, 48 per family (rollouts/families.py); --tasks of them, interleaved by family
 TRANSFER = "transfer"
 LAST_STEPS = 3  # train reward: the mean over the first and the last this many steps
-# The bench's RL recipe over run.toml's (--set overrides it): groups of 8 (an advantage in more
-# groups at the edge: 1 - p^8 - (1-p)^8), lr 1e-5 (peers use 3e-6 to 1e-5 at 0.5B), two all-alike
-# groups passed over per step, and 8 rollouts at once (the embedded engine decodes 8 calls at
-# ~3.7x one call's tok/s). Fixed before the first full run; the warm start (warm_start.plan,
-# demos) and the temperature come from run.toml, chosen on validation (docs/learning.md).
-RL_RECIPE = ["pools.group_size=8", "pools.agent_workers=8", "learner.lr=1e-5", "run.zero_variance_skips=2"]
 
 
 def per_task(report: dict, harness: str) -> dict[str, float]:
@@ -381,7 +375,8 @@ async def main(args) -> None:
         what = (f"{HELDOUT}: {plan.n_heldout} tasks x {args.samples}, {TRANSFER}: {plan.n_transfer} x 1; "
                 f"{args.rl_steps} GRPO steps x {args.seeds} seed(s); control sft at the same compute")
     print(f"learning bench: {', '.join(harnesses)}; {what}; out {out}")
-    print(f"settings over {args.config}: {' '.join(args.overrides)}")
+    if args.overrides:
+        print(f"settings over {args.config}: {' '.join(args.overrides)}")
     print(f"budget: ~{estimate / 60:.0f} min estimated (~{args.sec_per_rollout:g} s per unguided rollout, "
           f"{args.pools_note}~{args.sec_per_step:g} s per GRPO step); limit {args.budget_min or 'none'} min; "
           f"stages cached in {out}", flush=True)
@@ -438,7 +433,6 @@ def parse_args(argv=None):
         args.samples, args.rl_steps, args.tasks, args.tune_samples = 1, 1, 2, 2
         args.overrides = ["warm_start.demos=1", "tasks.families=[\"constant\",\"rename\"]", "pools.group_size=2",
                           "warm_start.epochs=1", *args.overrides]
-    args.overrides = [*RL_RECIPE, *args.overrides]
     return args
 
 
