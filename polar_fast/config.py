@@ -22,6 +22,7 @@ from polar_fast.errors import ConfigError
 # face, its Python reference and the learner all use these; tests/test_merge_stub_and_bench.py
 # holds the Rust side (rust/merge/src/lib.rs, _native.pyi) to them.
 Layout = Literal["tree", "paths"]
+TeacherForm = Literal["careful", "short"]  # warm_start.plan (teachers/: FORMS)
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
 
@@ -265,7 +266,7 @@ class WarmStartConfig(_Section):
     demos: int = 0  # teacher demonstrations per task family ("demos" split); 0 = no warm start
     # the teacher's form, for the demonstrations and the guide alike: "careful" (search, read,
     # reproduce, edit, check, submit) or "short" (a grep showing the lines to change, edit, submit)
-    plan: Literal["careful", "short"] = "careful"
+    plan: TeacherForm = "careful"
     epochs: int = 3
     lr: float = 5e-5
     rows_per_step: int = 4

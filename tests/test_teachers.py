@@ -51,10 +51,10 @@ def _assert_the_short_search_shows_its_edit(task):
     shown = subprocess.run(search, shell=True, cwd=task.repo_snapshot, capture_output=True, text=True,
                            check=True).stdout
     swap = word_swap(plan) if ", -1)" in edit else None
+    code = " ".join(shlex.split(edit))  # the python the shell runs
     for path, old, new in plan.edits:
         assert f"./{path}:" in shown and old.strip() in shown, (search, shown)
         replaced = swap[0] if swap else old  # a rename replaces the name everywhere in its file
-        code = " ".join(shlex.split(edit))  # the python the shell runs
         assert f"Path({path!r})" in code and repr(replaced) in code, edit
     return search, edit
 

@@ -22,7 +22,9 @@ answers the calls before it, and the policy takes over there).
 from __future__ import annotations
 
 import random
-from typing import Protocol
+from typing import Protocol, get_args
+
+from polar_fast.config import TeacherForm
 
 from polar_fast.errors import PolarError
 from polar_fast.rollouts.tasks import Task
@@ -58,7 +60,7 @@ from polar_fast.teachers.pi import PiTeacher  # noqa: E402
 TEACHERS: dict[str, type] = {"mini-swe-agent": MiniSweAgentTeacher, "pi": PiTeacher}
 
 
-FORMS = ("careful", "short")  # warm_start.plan: the careful agent's six steps, or moves.short_plan's three
+FORMS = get_args(TeacherForm)  # warm_start.plan: the careful agent's six steps, or moves.short_plan's three
 
 
 def teacher_for(harness: str, form: str = "careful") -> Teacher:

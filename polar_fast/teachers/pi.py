@@ -28,8 +28,8 @@ class PiTeacher:
         else:
             out = [say("search", "bash", {"command": moves.search_command(plan)}),
                    say("read", "read", {"path": plan.path})]
-        if plan.call and not short:
-            out.append(say("reproduce", "bash", {"command": moves.reproduce_command(plan)}))
+            if plan.call:
+                out.append(say("reproduce", "bash", {"command": moves.reproduce_command(plan)}))
         by_path: dict[str, list[dict[str, str]]] = {}
         for path, old, new in plan.edits:
             by_path.setdefault(path, []).append({"oldText": old, "newText": new})
