@@ -34,7 +34,9 @@ Last line: `RESULT <h>_warm=.. <h>_rl=.. <h>_control=.. <h>_rl_delta_lo=.. <h>_r
 <h>_rl_minus_control_lo=.. <h>_rl_minus_control_hi=.. <h>_train_reward_first=.. <h>_train_reward_last=..
 <h>_transfer_warm=.. <h>_transfer_rl=.. <h>_transfer_control=..` (held-out pass@1 unless named
 transfer; train reward: the mean over the first and the last 3 steps; `-` in harness names
-written `_`). With --tune: `<h>_<family>_guided_pass1=.. <h>_<family>_unguided_pass1=..` and pass@k.
+written `_`). With `--seeds n` > 1, each further seed adds the same keys under `<h>_rl_seed<i>`, and
+`<h>_rl_pooled*` compares the seeds pooled (per task, the mean of their pass rates): the recipe's
+policy rather than one run's luck, fixed in advance as the RL estimate whenever n > 1. With --tune: `<h>_<family>_guided_pass1=.. <h>_<family>_unguided_pass1=..` and pass@k.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ async def run_harness(h: str, cfg: Config, args, stages: Stages, out: Path, plan
     await policy("warm", warm_info["path"])
     rl_runs = []
     for seed in range(args.seeds):
-        name = "rl" if seed == 0 else f"rl_seed{seed}"
+        name = rl_name(seed)
         info = await stages.get(f"{h}/{name}", plan.rl_s(), lambda s=seed, n=name: rl_stage(h, args, out / h / n, s))
         rl_runs.append(info)
         await policy(name, info["checkpoint"])
@@ -295,48 +297,74 @@ def print_tune(harnesses, done, args) -> dict[str, float]:
     return result
 
 
+def rl_name(seed: int) -> str:
+    """The RL stage of one training seed: "rl" for seed 0 (the name older runs cached), then rl_seed1, ..."""
+    return "rl" if seed == 0 else f"rl_seed{seed}"
+
+
+def pooled(per_seed: list[dict[str, float]]) -> dict[str, float]:
+    """Per task, the mean pass rate over the RL seeds: the recipe's policy, not one run's luck."""
+    ids = set.intersection(*(set(s) for s in per_seed))
+    return {i: mean(s[i] for s in per_seed) for i in ids}
+
+
 def print_summary(harnesses, done, cells, stages, *, samples: int) -> dict[str, float]:
     result: dict[str, float] = {}
     for h in harnesses:
         r = done[h]["results"]
-        policies = [p for p in ("base", "warm", "rl", "control") if f"{p}:{HELDOUT}" in r]
-        print(f"\n{h}: pass@1, unguided (95% bootstrap interval over tasks)")
+        rls = [rl_name(seed) for seed in range(len(done[h]["rl"]))]
+        policies = [p for p in ("base", "warm", *rls, "control") if f"{p}:{HELDOUT}" in r]
+        scores = {(p, split): per_task(r[f"{p}:{split}"], h) for p in policies for split in (HELDOUT, TRANSFER)}
+        if len(rls) > 1:  # seeds pooled: fixed in advance as the RL estimate whenever --seeds > 1
+            for split in (HELDOUT, TRANSFER):
+                scores[("rl_pooled", split)] = pooled([scores[(n, split)] for n in rls])
+            policies.insert(policies.index(rls[-1]) + 1, "rl_pooled")
+        print(f"\n{h}: pass@1, unguided (95% bootstrap interval over tasks)"
+              + (f"; rl_pooled: per task, the mean over the {len(rls)} RL seeds" if len(rls) > 1 else ""))
         print(f"| policy | {HELDOUT} (x{samples}) | {TRANSFER} (x1) |")
         print("| --- | ---: | ---: |")
         for policy in policies:
             row = []
             for split in (HELDOUT, TRANSFER):
-                scores = per_task(r[f"{policy}:{split}"], h)
-                lo, hi = bootstrap(list(scores.values()))
-                row.append(f"{100 * mean(scores.values()):.1f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
-                result[f"{key(h)}_{policy}" if split == HELDOUT else f"{key(h)}_{split}_{policy}"] = mean(scores.values())
+                s = scores[(policy, split)]
+                lo, hi = bootstrap(list(s.values()))
+                row.append(f"{100 * mean(s.values()):.1f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
+                result[f"{key(h)}_{policy}" if split == HELDOUT else f"{key(h)}_{split}_{policy}"] = mean(s.values())
             print(f"| {policy} | {' | '.join(row)} |")
-        rl = per_task(r[f"rl:{HELDOUT}"], h)
-        for before, name in (("warm", "rl_delta"), ("control", "rl_minus_control")):
-            if f"{before}:{HELDOUT}" not in r:
-                continue
-            other = per_task(r[f"{before}:{HELDOUT}"], h)
-            ids = sorted(set(other) & set(rl))
-            lo, hi = paired_bootstrap([other[i] for i in ids], [rl[i] for i in ids])
-            delta = mean(rl[i] for i in ids) - mean(other[i] for i in ids)
-            print(f"{before} -> rl on {HELDOUT}: {100 * delta:+.1f} points, 95% paired bootstrap over {len(ids)} tasks "
-                  f"[{100 * lo:+.1f}, {100 * hi:+.1f}]")
-            result[f"{key(h)}_{name}_lo"], result[f"{key(h)}_{name}_hi"] = lo, hi
-        steps = done[h]["rl"][0]["steps"]
-        rewards = [s.get("reward/mean", float("nan")) for s in steps]
-        print("GRPO train reward per step: " + ", ".join(f"{x:.2f}" for x in rewards))
-        print("policy entropy per step (nats): " + ", ".join(f"{s.get('learner/entropy', float('nan')):.3f}" for s in steps))
-        print("KL to the warm start per step: " + ", ".join(f"{s.get('learner/kl', float('nan')):.4f}" for s in steps))
-        with_adv = [1 - s.get("reward/zero_variance_groups", 0) / s["reward/groups"] for s in steps if s.get("reward/groups")]
-        print("share of finished groups with an advantage per step: " + ", ".join(f"{x:.2f}" for x in with_adv))
+        for name in [p for p in policies if p.startswith("rl")]:
+            rl = scores[(name, HELDOUT)]
+            for before, suffix in (("warm", "delta"), ("control", "minus_control")):
+                if (before, HELDOUT) not in scores:
+                    continue
+                other = scores[(before, HELDOUT)]
+                ids = sorted(set(other) & set(rl))
+                lo, hi = paired_bootstrap([other[i] for i in ids], [rl[i] for i in ids])
+                delta = mean(rl[i] for i in ids) - mean(other[i] for i in ids)
+                print(f"{before} -> {name} on {HELDOUT}: {100 * delta:+.1f} points, 95% paired bootstrap over "
+                      f"{len(ids)} tasks [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+                result[f"{key(h)}_{name}_{suffix}_lo"], result[f"{key(h)}_{name}_{suffix}_hi"] = lo, hi
+        for name, run in zip(rls, done[h]["rl"]):
+            steps = run["steps"]
+            label = f" ({name})" if len(rls) > 1 else ""
+            rewards = [s.get("reward/mean", float("nan")) for s in steps]
+            print(f"GRPO train reward per step{label}: " + ", ".join(f"{x:.2f}" for x in rewards))
+            print(f"policy entropy per step (nats){label}: "
+                  + ", ".join(f"{s.get('learner/entropy', float('nan')):.3f}" for s in steps))
+            print(f"KL to the warm start per step{label}: "
+                  + ", ".join(f"{s.get('learner/kl', float('nan')):.4f}" for s in steps))
+            with_adv = [1 - s.get("reward/zero_variance_groups", 0) / s["reward/groups"]
+                        for s in steps if s.get("reward/groups")]
+            print(f"share of finished groups with an advantage per step{label}: "
+                  + ", ".join(f"{x:.2f}" for x in with_adv))
+            if rewards:
+                prefix = f"{key(h)}_" if name == "rl" else f"{key(h)}_{name}_"
+                result[f"{prefix}train_reward_first"] = mean(rewards[:LAST_STEPS])
+                result[f"{prefix}train_reward_last"] = mean(rewards[-LAST_STEPS:])
         control = done[h].get("control")
         if control:
             print(f"control: {control['optimizer_steps']} sft steps of {control['rows_per_step']} rows "
                   f"({control['forwarded_tokens']} tokens forwarded) vs rl: {control['rl_optimizer_steps']} steps "
                   f"({control['rl_forwarded_tokens']} tokens); lr {control['lr']}")
-        if rewards:
-            result[f"{key(h)}_train_reward_first"] = mean(rewards[:LAST_STEPS])
-            result[f"{key(h)}_train_reward_last"] = mean(rewards[-LAST_STEPS:])
     if cells:
         print("\ncross-harness matrix: held-out pass@1 of each harness's RL policy in every harness")
         print("| trained in \\ evaluated in | " + " | ".join(harnesses) + " |")

@@ -68,8 +68,8 @@ async def test_eval_through_a_real_harness_reports_exact_pass_at_k(tmp_path):
         "sampling": {"max_tokens": 4096},
         "sandbox": {"kind": "local"},
         # the engine-down rollout ends at the harness timeout (its client retries the 503s until
-        # then); a scripted rollout takes ~15 s, so 90 s leaves room on a busy machine
-        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 90},
+        # then), which bounds the test; a scripted rollout takes ~15 s, so 60 s leaves 4x room
+        "harness": {"name": "mini-swe-agent", "max_steps": 4, "timeout_s": 60},
         "tasks": {"source": "families", "families": ["constant"]},
         "pools": {"boot_workers": 2, "agent_workers": 2, "eval_workers": 2, "prewarm": 0, "infra_retries": 0},
     }

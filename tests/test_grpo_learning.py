@@ -96,10 +96,13 @@ BOOST = 20.0
 
 def boosted_model_dir(path) -> tuple[str, torch.Tensor]:
     """A two-layer Llama with SmolLM2's vocabulary and tokenizer (the renderer and the harness
-    need a real chat template) whose samples fall, nearly always, on 16 tokens: their embedding
-    rows are scaled up, so their logits dwarf the rest of the vocabulary's. Its choices then
-    look like the 16-token model's above, while every prompt is real chat-template text. The
-    target: a quarter of those 16."""
+    need a real chat template) whose samples, once one of 16 tokens is sampled, stay on those 16:
+    their embedding rows are scaled up, so as inputs they dominate the residual stream and as
+    outputs their logits dwarf the rest. A reply's first tokens still come from the whole
+    vocabulary (after a long real prompt, the 16 hold ~2% of the mass), so some replies of a
+    group reach the 16 and some do not: a reward to learn from. The target: a quarter of the 16.
+    A larger boost puts nearly all mass on one of the 16 from the first token, and the group's
+    rewards then agree (seen at 40: 91% on the 16, none on the target)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_tokenizer()
@@ -159,7 +162,7 @@ async def test_mean_reward_rises_through_the_real_proxy_and_harness(tmp_path):
     means = []
     async with rollout_side(cfg, tmp_path / "run") as rollouts:
         sync = EngineSync(rollouts.engine)
-        for step in range(4):
+        for step in range(3):
             groups = []
 
             async def done(group):
@@ -171,5 +174,5 @@ async def test_mean_reward_rises_through_the_real_proxy_and_harness(tmp_path):
             metrics = await anyio.to_thread.run_sync(learner.step, groups)
             means.append(metrics.reward_mean)
             await learner.sync_weights(sync)
-    early, late = sum(means[:2]) / 2, sum(means[-2:]) / 2
-    assert late > early + 0.4, means  # seen without the harness, over 4 seeds: ~0.2 at step 1, 1.0 by step 3
+    # seen with sampling seed 0: 0.12 (2 of 6 replies reach the 16), 0.74, then 1.0 at the third step
+    assert means[-1] > means[0] + 0.4, means

@@ -116,3 +116,25 @@ def test_tune_reports_pass_at_1_pass_at_k_and_the_advantage_share_per_family(cap
     out = capsys.readouterr().out
     # advantage@4 of a task at p = 0.5 is 1 - 2/16; at p = 1 or 0 it is 0
     assert "| constant | 2 | 75.0% | 100.0% | 44% | 50% |" in out
+
+
+def test_two_rl_seeds_are_each_compared_and_pooled_per_task(capsys):
+    tasks = [f"family__constant-{1_000_100 + i}" for i in range(4)]
+    passed = {"warm": [0, 1, 2, 2], "rl": [2, 1, 4, 2], "rl_seed1": [0, 3, 2, 4], "control": [0, 0, 2, 2]}
+    results = {f"{p}:{split}": _report("mini-swe-agent", dict(zip(tasks, n)))
+               for p, n in passed.items() for split in (lb.HELDOUT, lb.TRANSFER)}
+    steps = [{"reward/mean": r} for r in (0.1, 0.2, 0.3, 0.4)]
+    done = {"mini-swe-agent": {"results": results, "rl": [{"steps": steps}, {"steps": steps[::-1]}]}}
+    result = lb.print_summary(["mini-swe-agent"], done, {}, lb.Stages(Path("."), 0, time.monotonic()), samples=4)
+    out = capsys.readouterr().out
+    # each seed passes 9 of 16; pooled, per task the mean of the seeds' rates: 1, 2, 3, 3 of 4
+    assert result["mini_swe_agent_rl"] == result["mini_swe_agent_rl_seed1"] == pytest.approx(9 / 16)
+    assert result["mini_swe_agent_rl_pooled"] == pytest.approx(9 / 16)
+    for name in ("rl", "rl_seed1", "rl_pooled"):
+        assert f"warm -> {name} on heldout_large" in out and f"control -> {name} on heldout_large" in out
+        assert f"mini_swe_agent_{name}_delta_lo" in result and f"mini_swe_agent_{name}_minus_control_hi" in result
+    # the pooled row sits beside the seeds' rows in the table
+    assert "| rl_pooled | 56.2%" in out
+    assert result["mini_swe_agent_rl_seed1_train_reward_first"] == pytest.approx(0.3)
+    assert result["mini_swe_agent_train_reward_first"] == pytest.approx(0.2)
+    assert "GRPO train reward per step (rl_seed1): 0.40, 0.30, 0.20, 0.10" in out
