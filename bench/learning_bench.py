@@ -14,7 +14,9 @@ the embedded engine with the run's [sampling], the packed learner. Per harness:
 3. control: the warm start given the same learner compute as more SFT: more teacher
    demonstrations (demos-split seeds the warm start never saw), the same number of optimizer
    steps as the RL stage, and about the same forwarded tokens per step. RL must beat this, or
-   its gain is just more training;
+   its gain is just more training. Its lr is the warm start's; `--control-lr rl` (or `both`)
+   trains control_rl_lr on the same rows at the RL stage's lr, so a gap cannot come from a
+   harsher step size alone;
 4. each stage's last checkpoint (fixed in advance: no picking the best step) evaluated on the same
    frozen tasks, unguided: `--tasks` tasks of the heldout_large split x `--samples`, and the
    transfer split (families no stage ever trains on) at 1 sample per task.
@@ -35,6 +37,7 @@ Last line: `RESULT <h>_warm=.. <h>_rl=.. <h>_control=.. <h>_rl_delta_lo=.. <h>_r
 <h>_transfer_warm=.. <h>_transfer_rl=.. <h>_transfer_control=..` (held-out pass@1 unless named
 transfer; train reward: the mean over the first and the last 3 steps; `-` in harness names
 written `_`). With `--seeds n` > 1, each further seed adds the same keys under `<h>_rl_seed<i>`, and
+`<h>_control_rl_lr` and `<h>_<rl>_minus_control_rl_lr_lo/hi` come with `--control-lr rl|both`.
 `<h>_rl_pooled*` compares the seeds pooled (per task, the mean of their pass rates): the recipe's
 policy rather than one run's luck, fixed in advance as the RL estimate whenever n > 1. With --tune: `<h>_<family>_guided_pass1=.. <h>_<family>_unguided_pass1=..` and pass@k.
 """
@@ -177,10 +180,16 @@ async def run_harness(h: str, cfg: Config, args, stages: Stages, out: Path, plan
         info = await stages.get(f"{h}/{name}", plan.rl_s(), lambda s=seed, n=name: rl_stage(h, args, out / h / n, s))
         rl_runs.append(info)
         await policy(name, info["checkpoint"])
-    control = await stages.get(f"{h}/control", plan.control_s(),
-                               lambda: control_stage(cfg, warm_info["path"], rl_runs[0], out / h / "control", log))
-    await policy("control", control["model_dir"])
-    return {"results": results, "rl": rl_runs, "control": control, "warm": warm_info,
+    controls = {}
+    for name in control_names(args.control_lr):
+        lr = cfg.learner.lr if name == "control_rl_lr" else cfg.warm_start.lr
+        # the second control trains on the first's demonstrations when they exist: only its lr differs
+        controls[name] = await stages.get(
+            f"{h}/{name}", plan.control_s(),
+            lambda n=name, lr=lr: control_stage(cfg, warm_info["path"], rl_runs[0], out / h / n, log, lr=lr,
+                                                demos_from=out / h / "control" / "sft_data"))
+        await policy(name, controls[name]["model_dir"])
+    return {"results": results, "rl": rl_runs, "controls": controls, "warm": warm_info,
             "checkpoint": rl_runs[0]["checkpoint"]}
 
 
@@ -199,10 +208,18 @@ async def rl_stage(h: str, args, rl_dir: Path, seed: int) -> dict:
             "forwarded_tokens": sum(s.get("merge/tokens_forwarded", 0) for s in summary.steps)}
 
 
-async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log) -> dict:
+def control_names(which: str) -> list[str]:
+    """--control-lr: "warm" (SFT at the warm start's lr: the stage named control), "rl" (at the RL
+    stage's lr: control_rl_lr, so a gap to RL cannot come from a harsher step size), or both."""
+    return {"warm": ["control"], "rl": ["control_rl_lr"], "both": ["control", "control_rl_lr"]}[which]
+
+
+async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log, *, lr: float,
+                        demos_from: Path | None = None) -> dict:
     """SFT from the warm start on demonstrations it never saw, for the RL stage's learner compute:
     as many optimizer steps, about as many forwarded tokens per step (rows per step chosen to
-    match), one pass over distinct demonstrations where there are enough of them."""
+    match), one pass over distinct demonstrations where there are enough of them. `demos_from`:
+    another control's demonstrations, used when they are enough (the same rows, another lr)."""
     import msgspec
 
     from polar_fast.grpo import Learner
@@ -217,9 +234,11 @@ async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log) 
     families = len(demo_tasks(cfg)) // max(per_family, 1) or 1
     needed = max(steps, 1)  # grows once the tokens of a row are known
     rows: list = []
+    if demos_from is not None and demos_from != work / "sft_data" and (demos_from / "tokens.jsonl").is_file():
+        rows = await asyncio.to_thread(read_rows, demos_from)
     while True:
         n = -(-needed // families)
-        if not (work / "sft_data" / "tokens.jsonl").is_file() or len(rows) < needed:
+        if len(rows) < needed:
             tasks = demo_tasks(cfg, skip=cfg.warm_start.demos, per_family=n)  # seeds the warm start never saw
             await asyncio.to_thread(_clear, work)
             kept, report = await record_demonstrations(cfg, tasks, work, log)
@@ -237,10 +256,10 @@ async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log) 
     data = work / "control_rows.jsonl"
     await asyncio.to_thread(_write_rows, data, use)
     report = await asyncio.to_thread(run_sft, sft_cfg, data, Learner.from_config, out_dir=work / "model",
-                                     epochs=epochs, lr=cfg.warm_start.lr, emit=log, measure=False)
+                                     epochs=epochs, lr=lr, emit=log, measure=False)
     return {"model_dir": report.model_dir, "rows": report.rows, "optimizer_steps": report.steps,
             "rows_per_step": rows_per_step, "epochs": epochs, "forwarded_tokens": report.tokens * epochs,
-            "rl_optimizer_steps": steps, "rl_forwarded_tokens": rl["forwarded_tokens"], "lr": cfg.warm_start.lr,
+            "rl_optimizer_steps": steps, "rl_forwarded_tokens": rl["forwarded_tokens"], "lr": lr,
             "nll_first": report.nll_before, "nll_last": report.nll_after}
 
 
@@ -313,7 +332,7 @@ def print_summary(harnesses, done, cells, stages, *, samples: int) -> dict[str, 
     for h in harnesses:
         r = done[h]["results"]
         rls = [rl_name(seed) for seed in range(len(done[h]["rl"]))]
-        policies = [p for p in ("base", "warm", *rls, "control") if f"{p}:{HELDOUT}" in r]
+        policies = [p for p in ("base", "warm", *rls, "control", "control_rl_lr") if f"{p}:{HELDOUT}" in r]
         scores = {(p, split): per_task(r[f"{p}:{split}"], h) for p in policies for split in (HELDOUT, TRANSFER)}
         if len(rls) > 1:  # seeds pooled: fixed in advance as the RL estimate whenever --seeds > 1
             for split in (HELDOUT, TRANSFER):
@@ -333,7 +352,8 @@ def print_summary(harnesses, done, cells, stages, *, samples: int) -> dict[str, 
             print(f"| {policy} | {' | '.join(row)} |")
         for name in [p for p in policies if p.startswith("rl")]:
             rl = scores[(name, HELDOUT)]
-            for before, suffix in (("warm", "delta"), ("control", "minus_control")):
+            for before, suffix in (("warm", "delta"), ("control", "minus_control"),
+                                   ("control_rl_lr", "minus_control_rl_lr")):
                 if (before, HELDOUT) not in scores:
                     continue
                 other = scores[(before, HELDOUT)]
@@ -360,9 +380,8 @@ def print_summary(harnesses, done, cells, stages, *, samples: int) -> dict[str, 
                 prefix = f"{key(h)}_" if name == "rl" else f"{key(h)}_{name}_"
                 result[f"{prefix}train_reward_first"] = mean(rewards[:LAST_STEPS])
                 result[f"{prefix}train_reward_last"] = mean(rewards[-LAST_STEPS:])
-        control = done[h].get("control")
-        if control:
-            print(f"control: {control['optimizer_steps']} sft steps of {control['rows_per_step']} rows "
+        for name, control in done[h].get("controls", {}).items():
+            print(f"{name}: {control['optimizer_steps']} sft steps of {control['rows_per_step']} rows "
                   f"({control['forwarded_tokens']} tokens forwarded) vs rl: {control['rl_optimizer_steps']} steps "
                   f"({control['rl_forwarded_tokens']} tokens); lr {control['lr']}")
     if cells:
@@ -395,13 +414,15 @@ async def main(args) -> None:
                                      + plan.eval_s("validation", args.tune_samples))
         what = f"validation ({plan.n_validation} tasks x {args.tune_samples}, guided and unguided)"
     else:
-        n_policies = 2 + args.seeds + args.base
+        n_controls = len(control_names(args.control_lr))
+        n_policies = 1 + args.seeds + n_controls + args.base
         estimate = len(harnesses) * (600 + n_policies * plan.policy_evals_s() + args.seeds * plan.rl_s()
-                                     + plan.control_s())
+                                     + n_controls * plan.control_s())
         if args.matrix:
             estimate += len(harnesses) * (len(harnesses) - 1) * plan.eval_s(HELDOUT, args.samples)
         what = (f"{HELDOUT}: {plan.n_heldout} tasks x {args.samples}, {TRANSFER}: {plan.n_transfer} x 1; "
-                f"{args.rl_steps} GRPO steps x {args.seeds} seed(s); control sft at the same compute")
+                f"{args.rl_steps} GRPO steps x {args.seeds} seed(s); "
+                f"control sft at the same compute, at {args.control_lr}'s lr" + (" (each)" if n_controls > 1 else ""))
     print(f"learning bench: {', '.join(harnesses)}; {what}; out {out}")
     if args.overrides:
         print(f"settings over {args.config}: {' '.join(args.overrides)}")
@@ -443,6 +464,8 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=4, help=f"samples per {HELDOUT} task (transfer: 1)")
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--seeds", type=int, default=1, help="RL training seeds (run.seed 0..n-1), each evaluated")
+    p.add_argument("--control-lr", choices=["warm", "rl", "both"], default="warm",
+                   help="the SFT control's lr: the warm start's (control), the RL stage's (control_rl_lr), or both")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="section.key=value",
                    help="config overrides for every stage (e.g. learner.lr=1e-5)")
     p.add_argument("--tune", action="store_true", help="evaluate the warm start on the validation split")

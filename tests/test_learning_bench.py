@@ -83,8 +83,9 @@ def test_the_result_line_names_every_stage_and_the_two_paired_intervals(capsys):
     steps = [{"reward/mean": r, "learner/entropy": 0.5, "learner/kl": 0.01, "reward/groups": 2,
               "reward/zero_variance_groups": 1} for r in (0.1, 0.2, 0.3, 0.5, 0.6, 0.7)]
     done = {h: {"results": results(h), "rl": [{"steps": steps}],
-                "control": {"optimizer_steps": 6, "rows_per_step": 4, "forwarded_tokens": 100,
-                            "rl_optimizer_steps": 6, "rl_forwarded_tokens": 110, "lr": 1e-4}} for h in harnesses}
+                "controls": {"control": {"optimizer_steps": 6, "rows_per_step": 4, "forwarded_tokens": 100,
+                                         "rl_optimizer_steps": 6, "rl_forwarded_tokens": 110, "lr": 1e-4}}}
+            for h in harnesses}
     cells = {(t, o): _report(o, {x: 2 for x in tasks}) for t in harnesses for o in harnesses}
     stages = lb.Stages(Path("."), 0, time.monotonic())
     result = lb.print_summary(harnesses, done, cells, stages, samples=4)
@@ -100,6 +101,8 @@ def test_the_result_line_names_every_stage_and_the_two_paired_intervals(capsys):
     assert result["mini_swe_agent_train_reward_last"] == pytest.approx(0.6)
     assert re.search(r"control -> rl on heldout_large: \+\d+\.\d points", out)
     assert "KL to the warm start per step" in out and "share of finished groups with an advantage" in out
+    assert "control: 6 sft steps of 4 rows (100 tokens forwarded) vs rl: 6 steps (110 tokens); lr 0.0001" in out
+    assert "mini_swe_agent_control_rl_lr" not in result  # only with --control-lr rl or both
 
 
 def test_tune_reports_pass_at_1_pass_at_k_and_the_advantage_share_per_family(capsys):
@@ -118,9 +121,10 @@ def test_tune_reports_pass_at_1_pass_at_k_and_the_advantage_share_per_family(cap
     assert "| constant | 2 | 75.0% | 100.0% | 44% | 50% |" in out
 
 
-def test_two_rl_seeds_are_each_compared_and_pooled_per_task(capsys):
+def test_two_rl_seeds_and_two_controls_are_each_compared_and_the_seeds_pooled_per_task(capsys):
     tasks = [f"family__constant-{1_000_100 + i}" for i in range(4)]
-    passed = {"warm": [0, 1, 2, 2], "rl": [2, 1, 4, 2], "rl_seed1": [0, 3, 2, 4], "control": [0, 0, 2, 2]}
+    passed = {"warm": [0, 1, 2, 2], "rl": [2, 1, 4, 2], "rl_seed1": [0, 3, 2, 4], "control": [0, 0, 2, 2],
+              "control_rl_lr": [1, 1, 2, 2]}
     results = {f"{p}:{split}": _report("mini-swe-agent", dict(zip(tasks, n)))
                for p, n in passed.items() for split in (lb.HELDOUT, lb.TRANSFER)}
     steps = [{"reward/mean": r} for r in (0.1, 0.2, 0.3, 0.4)]
@@ -131,8 +135,10 @@ def test_two_rl_seeds_are_each_compared_and_pooled_per_task(capsys):
     assert result["mini_swe_agent_rl"] == result["mini_swe_agent_rl_seed1"] == pytest.approx(9 / 16)
     assert result["mini_swe_agent_rl_pooled"] == pytest.approx(9 / 16)
     for name in ("rl", "rl_seed1", "rl_pooled"):
-        assert f"warm -> {name} on heldout_large" in out and f"control -> {name} on heldout_large" in out
-        assert f"mini_swe_agent_{name}_delta_lo" in result and f"mini_swe_agent_{name}_minus_control_hi" in result
+        for before, suffix in (("warm", "delta"), ("control", "minus_control"), ("control_rl_lr", "minus_control_rl_lr")):
+            assert f"{before} -> {name} on heldout_large" in out
+            assert f"mini_swe_agent_{name}_{suffix}_lo" in result and f"mini_swe_agent_{name}_{suffix}_hi" in result
+    assert result["mini_swe_agent_control_rl_lr"] == pytest.approx(6 / 16)
     # the pooled row sits beside the seeds' rows in the table
     assert "| rl_pooled | 56.2%" in out
     assert result["mini_swe_agent_rl_seed1_train_reward_first"] == pytest.approx(0.3)
