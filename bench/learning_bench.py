@@ -233,6 +233,7 @@ async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log, 
     per_family = cfg.warm_start.demos
     families = len(demo_tasks(cfg)) // max(per_family, 1) or 1
     needed = max(steps, 1)  # grows once the tokens of a row are known
+    work.mkdir(parents=True, exist_ok=True)
     rows: list = []
     if demos_from is not None and demos_from != work / "sft_data" and (demos_from / "tokens.jsonl").is_file():
         rows = await asyncio.to_thread(read_rows, demos_from)
@@ -422,7 +423,7 @@ async def main(args) -> None:
             estimate += len(harnesses) * (len(harnesses) - 1) * plan.eval_s(HELDOUT, args.samples)
         what = (f"{HELDOUT}: {plan.n_heldout} tasks x {args.samples}, {TRANSFER}: {plan.n_transfer} x 1; "
                 f"{args.rl_steps} GRPO steps x {args.seeds} seed(s); "
-                f"control sft at the same compute, at {args.control_lr}'s lr" + (" (each)" if n_controls > 1 else ""))
+                f"{' and '.join(control_names(args.control_lr))}: sft at the same compute")
     print(f"learning bench: {', '.join(harnesses)}; {what}; out {out}")
     if args.overrides:
         print(f"settings over {args.config}: {' '.join(args.overrides)}")
