@@ -39,7 +39,8 @@ transfer; train reward: the mean over the first and the last 3 steps; `-` in har
 written `_`). With `--seeds n` > 1, each further seed adds the same keys under `<h>_rl_seed<i>`, and
 `<h>_control_rl_lr` and `<h>_<rl>_minus_control_rl_lr_lo/hi` come with `--control-lr rl|both`.
 `<h>_rl_pooled*` compares the seeds pooled (per task, the mean of their pass rates): the recipe's
-policy rather than one run's luck, fixed in advance as the RL estimate whenever n > 1. With --tune: `<h>_<family>_guided_pass1=.. <h>_<family>_unguided_pass1=..` and pass@k.
+policy rather than one run's luck, fixed in advance as the RL estimate whenever n > 1.
+With --tune: `<h>_<family>_guided_pass1=.. <h>_<family>_unguided_pass1=..` and pass@k.
 """
 
 from __future__ import annotations
@@ -181,13 +182,14 @@ async def run_harness(h: str, cfg: Config, args, stages: Stages, out: Path, plan
         rl_runs.append(info)
         await policy(name, info["checkpoint"])
     controls = {}
-    for name in control_names(args.control_lr):
-        lr = cfg.learner.lr if name == "control_rl_lr" else cfg.warm_start.lr
-        # the second control trains on the first's demonstrations when they exist: only its lr differs
+    first_demos = out / h / "control" / "sft_data"
+    for name, lr in control_lrs(args.control_lr, cfg).items():
+        # control_rl_lr trains on control's demonstrations when they exist: only its lr differs
+        demos_from = None if name == "control" else first_demos
         controls[name] = await stages.get(
             f"{h}/{name}", plan.control_s(),
-            lambda n=name, lr=lr: control_stage(cfg, warm_info["path"], rl_runs[0], out / h / n, log, lr=lr,
-                                                demos_from=out / h / "control" / "sft_data"))
+            lambda n=name, lr=lr, d=demos_from: control_stage(cfg, warm_info["path"], rl_runs[0], out / h / n, log,
+                                                              lr=lr, demos_from=d))
         await policy(name, controls[name]["model_dir"])
     return {"results": results, "rl": rl_runs, "controls": controls, "warm": warm_info,
             "checkpoint": rl_runs[0]["checkpoint"]}
@@ -208,10 +210,12 @@ async def rl_stage(h: str, args, rl_dir: Path, seed: int) -> dict:
             "forwarded_tokens": sum(s.get("merge/tokens_forwarded", 0) for s in summary.steps)}
 
 
-def control_names(which: str) -> list[str]:
-    """--control-lr: "warm" (SFT at the warm start's lr: the stage named control), "rl" (at the RL
-    stage's lr: control_rl_lr, so a gap to RL cannot come from a harsher step size), or both."""
-    return {"warm": ["control"], "rl": ["control_rl_lr"], "both": ["control", "control_rl_lr"]}[which]
+def control_lrs(which: str, cfg: Config) -> dict[str, float]:
+    """--control-lr -> {control stage: its lr}: "warm" (SFT at the warm start's lr: the stage named
+    control), "rl" (at the RL stage's lr: control_rl_lr, so a gap to RL cannot come from a harsher
+    step size), or both."""
+    both = {"control": cfg.warm_start.lr, "control_rl_lr": cfg.learner.lr}
+    return {"warm": {"control": both["control"]}, "rl": {"control_rl_lr": both["control_rl_lr"]}, "both": both}[which]
 
 
 async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log, *, lr: float,
@@ -235,7 +239,7 @@ async def control_stage(cfg: Config, warm_path: str, rl: dict, work: Path, log, 
     needed = max(steps, 1)  # grows once the tokens of a row are known
     work.mkdir(parents=True, exist_ok=True)
     rows: list = []
-    if demos_from is not None and demos_from != work / "sft_data" and (demos_from / "tokens.jsonl").is_file():
+    if demos_from is not None and (demos_from / "tokens.jsonl").is_file():
         rows = await asyncio.to_thread(read_rows, demos_from)
     while True:
         n = -(-needed // families)
@@ -415,7 +419,8 @@ async def main(args) -> None:
                                      + plan.eval_s("validation", args.tune_samples))
         what = f"validation ({plan.n_validation} tasks x {args.tune_samples}, guided and unguided)"
     else:
-        n_controls = len(control_names(args.control_lr))
+        controls = control_lrs(args.control_lr, any_cfg)
+        n_controls = len(controls)
         n_policies = 1 + args.seeds + n_controls + args.base
         estimate = len(harnesses) * (600 + n_policies * plan.policy_evals_s() + args.seeds * plan.rl_s()
                                      + n_controls * plan.control_s())
@@ -423,7 +428,7 @@ async def main(args) -> None:
             estimate += len(harnesses) * (len(harnesses) - 1) * plan.eval_s(HELDOUT, args.samples)
         what = (f"{HELDOUT}: {plan.n_heldout} tasks x {args.samples}, {TRANSFER}: {plan.n_transfer} x 1; "
                 f"{args.rl_steps} GRPO steps x {args.seeds} seed(s); "
-                f"{' and '.join(control_names(args.control_lr))}: sft at the same compute")
+                f"{' and '.join(controls)}: sft at the same compute")
     print(f"learning bench: {', '.join(harnesses)}; {what}; out {out}")
     if args.overrides:
         print(f"settings over {args.config}: {' '.join(args.overrides)}")
