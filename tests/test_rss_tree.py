@@ -38,3 +38,19 @@ def test_the_peak_counts_a_grandchild_and_the_exit_status_comes_back():
 def test_no_command_is_a_usage_error():
     done = subprocess.run([sys.executable, str(SAMPLER)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "no command given" in done.stderr
+
+
+def test_the_breakdown_at_the_peak_adds_up_processes_of_one_kind():
+    # two grandchildren of one kind, started together: one row with count 2 holds their 2 x 150 MiB
+    two = textwrap.dedent(f"""
+        import subprocess, sys
+        kids = [subprocess.Popen([sys.executable, "-c", {GRANDCHILD.replace("300", "150")!r}]) for _ in range(2)]
+        sys.exit(sum(k.wait() for k in kids))
+    """)
+    done = subprocess.run([sys.executable, str(SAMPLER), "--every", "0.1", "--", sys.executable, "-c", two],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^\| (python[\w.]* -c) \| (\d+) \| ([\d.]+) \|$", done.stdout, re.M)
+    assert len(rows) == 1, done.stdout  # the command and its grandchildren are all `python -c`
+    count, gib = int(rows[0][1]), float(rows[0][2])
+    assert count == 3 and 0.29 <= gib < 0.6

@@ -5,7 +5,9 @@ process; a user's machine runs out on the sum.
 Every --every seconds it reads /proc/<pid>/smaps_rollup of each process in the tree and adds up
 Pss (proportional set size: a page shared by n processes counts 1/n in each, so shared libraries
 and forked copies are not counted twice). It prints the peak of that sum, the peak of the
-largest single process (Rss, what `time -v` reports), and when each peak happened, then one line
+largest single process (Rss, what `time -v` reports), and when each peak happened, what the sum
+was made of at its peak (Pss per kind of process: the program and its first argument, so the
+harness CLIs add up apart from the run's own process), then one line
 `RESULT peak_pss_sum_gib=.. peak_rss_max_gib=.. wall_s=.. rc=..`.
 
     python bench/support/rss_tree.py -- .venv/bin/python -m polar_fast --config run.toml
@@ -46,6 +48,25 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def label(pid: int) -> str:
+    """What a process is, for the breakdown: its program's name, and for an interpreter the script
+    or module it runs (`python -m polar_fast`, `python mini`), so that eight copies of a harness
+    CLI add up as one row."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv if a]
+    if not words:
+        return "?"
+    name = Path(words[0]).name
+    if not name.startswith(("python", "node", "bash", "sh")) or len(words) < 2:
+        return name
+    if words[1] == "-m" and len(words) > 2:
+        return f"{name} -m {words[2]}"
+    return f"{name} {'-c' if words[1] == '-c' else Path(words[1]).name}"
+
+
 def memory_kib(pid: int) -> tuple[int, int]:
     """(Pss, Rss) of one process in KiB; (0, 0) once it has ended."""
     pss = rss = 0
@@ -72,12 +93,20 @@ def main() -> int:
     proc = subprocess.Popen(command)
     peak_sum = peak_one = 0
     at_sum = at_one = 0.0
+    breakdown: dict[str, list[int]] = {}  # label -> [processes, Pss KiB] at the peak of the sum
     while proc.poll() is None:
-        sizes = [memory_kib(pid) for pid in descendants(proc.pid)]
+        pids = descendants(proc.pid)
+        sizes = [memory_kib(pid) for pid in pids]
         total, largest = sum(p for p, _ in sizes), max((r for _, r in sizes), default=0)
         now = time.monotonic() - started
         if total > peak_sum:
             peak_sum, at_sum = total, now
+            breakdown = {}
+            for pid, (pss, _) in zip(pids, sizes):
+                if pss:
+                    row = breakdown.setdefault(label(pid), [0, 0])
+                    row[0] += 1
+                    row[1] += pss
         if largest > peak_one:
             peak_one, at_one = largest, now
         time.sleep(args.every)
@@ -85,6 +114,9 @@ def main() -> int:
     print(f"\n| memory of the process tree | GiB | at s |\n| --- | ---: | ---: |\n"
           f"| peak sum of Pss | {peak_sum * 1024 / GIB:.2f} | {at_sum:.0f} |\n"
           f"| peak Rss of the largest process | {peak_one * 1024 / GIB:.2f} | {at_one:.0f} |")
+    print("\n| at the peak of the sum: process | count | Pss GiB |\n| --- | ---: | ---: |")
+    for name, (count, pss) in sorted(breakdown.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {name} | {count} | {pss * 1024 / GIB:.2f} |")
     print(f"RESULT peak_pss_sum_gib={peak_sum * 1024 / GIB:.2f} peak_rss_max_gib={peak_one * 1024 / GIB:.2f} "
           f"wall_s={wall:.0f} rc={proc.returncode}")
     return proc.returncode
