@@ -31,7 +31,7 @@ interrupted step's groups are marked `interrupted` in groups.jsonl (their rollou
 stay in records.log; `--resume` does not train them again, it trains on new groups). A long
 step prints where it is (micro-batch i of n, tokens, layer) every PROGRESS_EVERY_S.
 
-Every stop is recorded: the rollouts the run leaves in flight (after its last step, a stop
+Every stop is recorded: the rollouts the run leaves in flight (once its last step has its groups, a stop
 request, an error such as a checkpoint that cannot be written, a cancellation from outside)
 each get an `abandoned` record with the reason and the calls they made, and a `RunEndRecord`
 closes the run; the teardown that writes them is shielded, since an anyio scope cancels again
@@ -312,7 +312,7 @@ class _Loop:
                 pools = tg.create_task(self.pools.run(tasks, self.on_group))
                 status = tg.create_task(self._report_status())
                 try:
-                    await self._learn()
+                    await self._learn(stop_rollouts=pools.cancel)
                 finally:
                     pools.cancel()  # abandons in-flight rollouts; the pools remove their sandboxes
                     status.cancel()
@@ -396,7 +396,7 @@ class _Loop:
             get.cancel()  # a no-op once it holds its group
         return get.result() if get in done and not self.stop.is_set() else None
 
-    async def _learn(self) -> None:
+    async def _learn(self, stop_rollouts: Callable[[], object] = lambda: None) -> None:
         cfg = self.cfg.run
         while self.learner.step_count < cfg.steps:
             groups: list[GroupRecord] = []
@@ -417,6 +417,10 @@ class _Loop:
                     skipped.append(group)  # all rewards equal: no advantage, nothing to learn; wait for another
                     continue
                 groups.append(group)
+            if self.learner.step_count + 1 == cfg.steps:
+                # the last step has its groups: rollouts for a step that will never come would be
+                # abandoned at its end anyway; stopped now, they take no CPU or memory from it
+                stop_rollouts()
             await self._step(groups, withheld, skipped)
 
     async def _step(self, groups: list[GroupRecord], withheld_ids: list[str],

@@ -94,6 +94,37 @@ async def test_one_step_local_sandbox_trains_on_the_captured_calls(tmp_path, tin
     await anyio.to_thread.run_sync(check_run_files, tmp_path / "run", step)
 
 
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_the_last_step_trains_with_no_rollout_running_beside_it(tmp_path, tiny_model, monkeypatch):
+    """Once the last step has its groups, the rollouts still in flight could only be abandoned at
+    its end: they are stopped before it, so they take no CPU or memory from it. Replies for three
+    groups keep the pools busy, and the step takes 3 s more: were the pools left running, the
+    next group's rollouts would be running when the step's pool statistics are read."""
+    from polar_fast.grpo import Learner
+
+    real_step = Learner.step
+
+    def slow_step(self, groups, **options):
+        time.sleep(3)
+        return real_step(self, groups, **options)
+
+    monkeypatch.setattr(Learner, "step", slow_step)
+    cfg = run_config(tmp_path, replies=GROUP_REPLIES * 3, model={"path": str(tiny_model)},
+                     pools={"agent_workers": 2, "boot_workers": 2})
+    summary = await train(cfg)
+
+    [step] = summary.steps
+    assert step["learner/n_rollouts"] == 2
+    assert (step["pools/agent/running"], step["pools/boot/running"]) == (0, 0)
+    contents = await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")
+    trained = {r.rollout_id for r in contents.rollouts if r.outcome is not Outcome.ABANDONED}
+    abandoned = [r for r in contents.rollouts if r.outcome is Outcome.ABANDONED]
+    assert len(trained) == 2 and abandoned, "no rollout was in flight when the last step began"
+    assert all(r.error.startswith("the run ended (finished: 1 of 1 steps done)") for r in abandoned)
+
+
 def check_run_files(run, step) -> None:
     contents = read_log(run / "records.log")
     assert contents.torn_bytes == 0
