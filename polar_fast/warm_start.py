@@ -100,6 +100,7 @@ def cache_key(cfg: Config, plays: dict[str, list[list[str]]]) -> str:
 
 async def ensure_warm_start(cfg: Config, emit: Callable[[str, dict], None] | None = None) -> tuple[Path, dict]:
     """(model dir, report) of cfg's warm start, built now unless the cache has it."""
+    from polar_fast.learner.host_memory import release_free_memory
     from polar_fast.model import cache_root
 
     emit = emit or (lambda kind, data: None)
@@ -117,6 +118,9 @@ async def ensure_warm_start(cfg: Config, emit: Callable[[str, dict], None] | Non
     work = root.parent / f".{key}.{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, work, True)
     report = await _build(cfg, tasks, plays, work, emit)
+    # the sft learner is gone, but its freed activations stay resident as heap holes that the
+    # run's own learner and engine do not refill (~1.3 GiB): give them back
+    await asyncio.to_thread(release_free_memory)
     report["duration_s"] = round(time.perf_counter() - started, 1)
     await asyncio.to_thread(_publish, work, root, report)
     return root / "model", {**report, "cached": False}
