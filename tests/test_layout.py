@@ -54,7 +54,8 @@ PUBLIC = {  # what a stage offers outside itself, besides its entry
     "polar_fast.rollouts.stream",  # the training run's groups (guided, difficulty-filtered)
     "polar_fast.rollouts.service", "polar_fast.rollouts.validate", "polar_fast.rollouts.task_images",
     "polar_fast.learner.distributed", "polar_fast.learner.weight_sync", "polar_fast.learner.checkpoint",
-    "polar_fast.learner.sft", "polar_fast.learner.batches", "polar_fast.learner.memory",
+    "polar_fast.learner.sft", "polar_fast.learner.sft_process", "polar_fast.learner.batches",
+    "polar_fast.learner.memory",
     "polar_fast.engines.vllm_launch", "polar_fast.engines.scripted",
     "polar_fast.merge.arrays",  # the array contract the learner reads
     "polar_fast.cluster.check",  # what `check` asks a Ray cluster

@@ -8,6 +8,7 @@
     weight_sync.py       pushing new weights to the engine (in-process, disk reload, vLLM transfer)
     distributed.py       torchrun + FSDP2: rank 0 leads, the other ranks follow each learner call
     sft.py               supervised fine-tuning on exported token rows (the caller passes the learner)
+    sft_process.py       the same in a child process, so what the fine-tune held leaves with it
     host_memory.py       a CPU learner's freed activations returned to the OS (glibc's mmap threshold)
 
 Nothing here imports grpo.py: the layers only point down (tests/test_layout.py).

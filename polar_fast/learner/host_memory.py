@@ -16,18 +16,12 @@ A mapped block costs a page fault per fresh page, so the lower the threshold the
 step; 4 MiB keeps most of the saving for 12% of step time. Fixing the threshold (mallopt) also
 stops glibc adjusting it, and the trim threshold returns the heap's free top likewise. The
 setting is per process, so it also holds for the embedded engine beside the learner.
-
-Blocks under the threshold still leave holes inside the heap when freed, and only the heap's
-free top is trimmed by itself. `release_free_memory` hands every free page back (malloc_trim(0)
-madvises the holes away): after the warm start's sft learner is dropped, its holes held 1.3 GiB
-of a 2.2 GiB process (0.9 GiB after), which the run's learner and engine built next did not fill.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import sys
 from functools import cache
 
@@ -57,12 +51,3 @@ def fix_mmap_threshold(kib: int) -> bool:
         return False
     size = kib * 1024
     return bool(libc.mallopt(M_MMAP_THRESHOLD, size)) and bool(libc.mallopt(M_TRIM_THRESHOLD, size))
-
-
-def release_free_memory(*, collect: bool = True) -> bool:
-    """Collect unreachable cycles (collect=True), then return every free page of the heap to the
-    OS. True when malloc_trim ran and released something; False elsewhere (not glibc)."""
-    if collect:
-        gc.collect()
-    libc = _libc()
-    return bool(libc is not None and hasattr(libc, "malloc_trim") and libc.malloc_trim(0))
