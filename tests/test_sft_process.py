@@ -38,8 +38,14 @@ def test_the_child_fine_tunes_as_the_caller_would_and_its_events_come_back(tmp_p
     assert shape(child) == shape(here) and (child.rows, child.steps) == (2, 4)
     assert child.nll_after == pytest.approx(here.nll_after, rel=1e-4) and child.nll_after < child.nll_before
     assert sum("sft epoch" in m for m in events) == 4  # one per step, emitted in the child
+    # Bitwise equality is not promised: the child may split matmuls over another thread count, and
+    # AdamW turns a rounding difference in a near-zero gradient into a step of up to lr. What must
+    # hold is that both made the same update: their gap is small beside the update itself.
+    start = load_model(str(tiny_model)).state_dict()
     a, b = load_model(str(tmp_path / "child")).state_dict(), load_model(str(tmp_path / "here")).state_dict()
-    assert all(torch.allclose(a[n], b[n], atol=1e-5) for n in a)
+    gap = torch.cat([(a[n] - b[n]).flatten().float() for n in a]).norm()
+    update = torch.cat([(b[n] - start[n]).flatten().float() for n in a]).norm()
+    assert update > 0 and gap < 0.05 * update, (gap, update)
     assert not multiprocessing.active_children()
 
 
