@@ -88,6 +88,7 @@ def cache_key(cfg: Config, plays: dict[str, list[list[str]]]) -> str:
         "harness": cfg.harness.name, "max_steps": cfg.harness.max_steps,
         "bundle": bundle_manifest(bundle),
         "warm_start": msgspec.to_builtins(cfg.warm_start), "sft_seed": cfg.sft.seed,
+        "sft_micro_batch_tokens": cfg.sft.micro_batch_tokens,  # rounding only, but a different sum
         "learner": [cfg.learner.grad_clip, cfg.learner.weight_decay, cfg.merge.layout],
         # sft computes in it. engine.dtype is not in: the demonstrations come from a scripted
         # engine, so the embedded engine's dtype changes nothing the warm start computes
