@@ -257,9 +257,8 @@ class SftConfig(_Section):
     lr: float = 5e-5
     rows_per_step: int = 2  # token rows per optimizer step
     seed: int = 0  # row order
-    # 0: a step's rows forward in micro-batches of merge.max_tokens, with learner.gradient_checkpointing.
-    # N > 0: micro-batches of at most N tokens (raised to the longest row), without checkpointing:
-    # activations are bounded by the micro-batch instead, and a step runs ~1.7x faster (learner/sft.py)
+    # micro-batches of at most this many tokens (raised to the longest row), 0 = merge.max_tokens:
+    # packed attention grows with the square of a micro-batch, so small ones run faster (learner/sft.py)
     micro_batch_tokens: int = 0
 
 

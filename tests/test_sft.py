@@ -111,9 +111,9 @@ def test_rows_sharing_a_prompt_are_forwarded_once_with_the_same_loss():
     assert learner.nll(tree) == pytest.approx(learner.nll(flat), rel=1e-5)
 
 
-def test_small_micro_batches_train_the_same_step_without_checkpointing(tmp_path, tiny_model):
+def test_small_micro_batches_train_the_same_step(tmp_path, tiny_model):
     # sft.micro_batch_tokens: each row its own micro-batch (the bound of 1 rises to the longest
-    # row), gradient checkpointing off; the step's gradient is still the sum over all its rows
+    # row); the step's gradient is still the sum over all its rows
     write_rows(tmp_path / "data", token_rows())
     seen = {}
 
@@ -121,10 +121,10 @@ def test_small_micro_batches_train_the_same_step_without_checkpointing(tmp_path,
         def learner(cfg):
             built = Learner.from_config(cfg)
             step = built.train_step
-            seen[tag] = {"checkpointing": cfg.learner.gradient_checkpointing, "micro_batches": []}
+            seen[tag] = []
 
             def counted(batch, **kw):
-                seen[tag]["micro_batches"].append(len(batch.micro_batches))
+                seen[tag].append(len(batch.micro_batches))
                 return step(batch, **kw)
             built.train_step = counted
             return built
@@ -133,12 +133,11 @@ def test_small_micro_batches_train_the_same_step_without_checkpointing(tmp_path,
     start = load_model(str(tiny_model)).state_dict()
     weights = {}
     for tag, micro in (("whole", 0), ("small", 1)):
-        cfg = parse_config({"model": {"path": str(tiny_model)}, "learner": {"gradient_checkpointing": True},
+        cfg = parse_config({"model": {"path": str(tiny_model)},
                             "sft": {"epochs": 2, "lr": 1e-3, "rows_per_step": 2, "micro_batch_tokens": micro}})
         run_sft(cfg, tmp_path / "data", build(tag), out_dir=tmp_path / tag)
         weights[tag] = load_model(str(tmp_path / tag)).state_dict()
-    assert seen["whole"] == {"checkpointing": True, "micro_batches": [1, 1]}
-    assert seen["small"] == {"checkpointing": False, "micro_batches": [2, 2]}
+    assert seen == {"whole": [1, 1], "small": [2, 2]}
     gap = sum((weights["small"][n] - weights["whole"][n]).float().norm() ** 2 for n in start) ** 0.5
     update = sum((weights["whole"][n] - start[n]).float().norm() ** 2 for n in start) ** 0.5
     assert update > 0 and gap < 0.05 * update, (gap, update)

@@ -19,10 +19,10 @@ setting is per process, so it also holds for the embedded engine beside the lear
 
 Blocks under the threshold still leave holes inside the heap when freed, and only the heap's
 free top is trimmed by itself. `release_free_memory` hands every free page back (malloc_trim(0)
-madvises the holes away). sft calls it after every step: without gradient checkpointing
-(sft.micro_batch_tokens) the warm start's steps left holes that grew its process from 3.4 to
-5.1 GiB resident between steps over 8 steps (peak 5.75 GB, 6.1 GiB of Pss by the 28th step);
-released after each, 2.3 to 2.5 GiB between steps and a peak of 5.39 GB over the same 8 steps.
+madvises the holes away). sft calls it after every step: measured without gradient
+checkpointing, the warm start's steps left holes that grew its process from 3.4 to 5.1 GiB
+resident between steps over 8 steps (peak 5.75 GB, 6.1 GiB of Pss by the 28th step); released
+after each, 2.3 to 2.5 GiB between steps and a peak of 5.39 GB over the same 8 steps.
 """
 
 from __future__ import annotations

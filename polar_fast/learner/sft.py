@@ -99,14 +99,14 @@ def run_sft(cfg: Config, data: str | Path, build_learner: Callable[[Config], Sft
     learner_cfg = msgspec.structs.replace(cfg.learner, lr=sc.lr if lr is None else lr, kl_coef=0.0)
     packing = {"layout": cfg.merge.layout, "max_tokens": cfg.merge.max_tokens}
     if sc.micro_batch_tokens:
-        # Small micro-batches hold few activations, so none need recomputing: on 2 cores a step of
-        # two warm-start demonstrations (2,600 tokens) took 19.4 s checkpointed in one micro-batch,
-        # 13.1 s not checkpointed (peak 6.0 GiB), 11.2 s not checkpointed in two (5.2 GiB). The
-        # weights of the step's terms span all its micro-batches, so the gradient is the same.
-        # A row is never split (its calls' prefixes are one path), so the bound rises to the longest.
+        # A micro-batch's packed attention grows with the square of its tokens: on 2 cores a
+        # checkpointed step of two warm-start demonstrations (2,600 tokens) took 19.4 s as one
+        # micro-batch and 14.8 s as two (peak 3.4 and 3.8 GiB; 11.9 s and 5.0 GiB without
+        # checkpointing, which run.toml does not take: its memory goal wins). The weights of the
+        # step's terms span all its micro-batches, so the gradient is the same sum. A row is never
+        # split (its calls' prefixes are one path), so the bound rises to the longest row.
         longest = max(len(ids) for ids, _ in rows)
         packing["max_tokens"] = min(cfg.merge.max_tokens, max(sc.micro_batch_tokens, longest))
-        learner_cfg = msgspec.structs.replace(learner_cfg, gradient_checkpointing=False)
     # the NLL of the model's own distribution (temperature 1): sampling.temperature is how a run
     # draws from the model, not what sft fits, and a warm start must not change with it
     sampling = msgspec.structs.replace(cfg.sampling, temperature=1.0)
