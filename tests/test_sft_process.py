@@ -49,12 +49,15 @@ def test_the_child_fine_tunes_as_the_caller_would_and_its_events_come_back(tmp_p
     assert not multiprocessing.active_children()
 
 
-def test_bad_data_is_the_same_sft_error_as_in_process(tmp_path, tiny_model):
+@pytest.mark.anyio
+async def test_bad_data_is_the_same_sft_error_as_in_process(tmp_path, tiny_model):
+    # async, as the warm start calls it: blockbuster (conftest) fails any blocking call the
+    # spawn makes on the event loop
     cfg = tiny_cfg(tmp_path, tiny_model)
     with pytest.raises(SftError) as here:
-        run_sft(cfg, tmp_path / "missing", Learner.from_config, out_dir=tmp_path / "m")
+        await asyncio.to_thread(run_sft, cfg, tmp_path / "missing", Learner.from_config, out_dir=tmp_path / "m")
     with pytest.raises(SftError) as child:
-        asyncio.run(run_sft_in_process(cfg, tmp_path / "missing", Learner.from_config, out_dir=tmp_path / "m"))
+        await run_sft_in_process(cfg, tmp_path / "missing", Learner.from_config, out_dir=tmp_path / "m")
     assert str(child.value) == str(here.value) and "no SFT token rows" in str(child.value)
 
 

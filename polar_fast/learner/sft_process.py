@@ -47,7 +47,7 @@ async def run_sft_in_process(cfg: Config, data: str | Path, build_learner: Calla
     events, child_end = context.Pipe(duplex=False)
     args = (msgspec.msgpack.encode(cfg), str(data), build_learner, str(out_dir), epochs, lr, measure, child_end)
     child = context.Process(target=_child, args=args, name="polar_fast-sft", daemon=True)
-    child.start()
+    await asyncio.to_thread(child.start)  # spawning reads the cwd and execs: not on the event loop
     child_end.close()  # the child's copy is the only writer left: its exit ends the pipe
     try:
         while True:
