@@ -379,7 +379,9 @@ async def test_the_rollout_service_hands_its_groups_to_the_rollout_nodes(tmp_pat
             stats = await r.json()
     assert stats["pending_groups"] == 0 and stats["pools"]["agent"]["completed"] >= 2  # as of the nodes' last drain
     batches = {(batch := decode_batch(f))["group_id"]: batch for f in frames}
-    assert sorted(batches) == sorted(ids) and all(b["rewards"] == [1.0, 0.0] for b in batches.values())
+    # each group: one rollout fixed the task, one gave up (rewards follow the merge's rollout order,
+    # which is not promised to be the order the node ran them in)
+    assert sorted(batches) == sorted(ids) and all(sorted(b["rewards"]) == [0.0, 1.0] for b in batches.values())
     contents = await anyio.to_thread.run_sync(read_log, tmp_path / "run" / "records.log")
     assert len(contents.rollouts) == 4
     for group_id, batch in batches.items():
