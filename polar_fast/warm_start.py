@@ -7,7 +7,8 @@ generated families' "demos" split (seeds apart from train, validation, held-out 
 each a scripted policy (PlaybookEngine) typing a careful agent's replies through the real
 harness, proxy and sandbox: search the repo, read the file, reproduce the bug, edit, check,
 finish. They are kept only when the tests pass, exported as token rows and fine-tuned on with
-`sft`, in a process of its own (learner/sft_process.py). RL then trains the result on the train split, and held-out eval measures it.
+`sft`, in a process of its own (learner/sft_process.py). RL then trains the result on the train
+split, and held-out eval measures it.
 
     model_dir = await ensure_warm_start(cfg, emit)   # cached: the second run reuses it
 

@@ -10,8 +10,7 @@ import os
 import signal
 
 import pytest
-import torch
-from test_sft import token_rows, write_rows
+from test_sft import token_rows, update_gap, write_rows
 
 from polar_fast.config import parse_config
 from polar_fast.grpo import Learner
@@ -43,8 +42,7 @@ def test_the_child_fine_tunes_as_the_caller_would_and_its_events_come_back(tmp_p
     # hold is that both made the same update: their gap is small beside the update itself.
     start = load_model(str(tiny_model)).state_dict()
     a, b = load_model(str(tmp_path / "child")).state_dict(), load_model(str(tmp_path / "here")).state_dict()
-    gap = torch.cat([(a[n] - b[n]).flatten().float() for n in a]).norm()
-    update = torch.cat([(b[n] - start[n]).flatten().float() for n in a]).norm()
+    gap, update = update_gap(start, a, b)
     assert update > 0 and gap < 0.05 * update, (gap, update)
     assert not multiprocessing.active_children()
 

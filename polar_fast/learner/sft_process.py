@@ -10,8 +10,9 @@ start cached. In a child process the run's peak is the cached run's.
 The child is spawned, not forked (the parent has an event loop and threads running), so it
 imports torch and polar_fast afresh (a few seconds); each progress event comes back through a
 pipe, then the report or the error. (A pipe, not a multiprocessing.Queue: a queue's semaphore
-outlives a run that ends with os._exit, and the resource tracker then warns of a leak.) The child dies with its parent (PR_SET_PDEATHSIG on Linux),
-so a run killed mid-build leaves no fine-tune running.
+outlives a run that ends with os._exit, and the resource tracker then warns of a leak.) The child
+dies with its parent (PR_SET_PDEATHSIG on Linux), so a run killed mid-build leaves no fine-tune
+running.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import ctypes
 import multiprocessing
 import os
-import queue
 import signal
 import sys
 from pathlib import Path
