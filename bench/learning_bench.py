@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polar_fast.config import Config, load_config  # noqa: E402
 from polar_fast.evaluate import eval_tasks, format_report, pass_at_k, run_eval  # noqa: E402
-from polar_fast.report.intervals import bootstrap, paired_bootstrap  # noqa: E402
+from polar_fast.report.intervals import bootstrap, paired_verdict  # noqa: E402
 
 HELDOUT = "heldout_large"  # frozen, 48 per family (rollouts/families.py); --tasks of them, interleaved by family
 TRANSFER = "transfer"
@@ -363,10 +363,10 @@ def print_summary(harnesses, done, cells, stages, *, samples: int) -> dict[str, 
                     continue
                 other = scores[(before, HELDOUT)]
                 ids = sorted(set(other) & set(rl))
-                lo, hi = paired_bootstrap([other[i] for i in ids], [rl[i] for i in ids])
+                lo, hi, p, verdict = paired_verdict([other[i] for i in ids], [rl[i] for i in ids])
                 delta = mean(rl[i] for i in ids) - mean(other[i] for i in ids)
                 print(f"{before} -> {name} on {HELDOUT}: {100 * delta:+.1f} points, 95% paired bootstrap over "
-                      f"{len(ids)} tasks [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+                      f"{len(ids)} tasks [{100 * lo:+.1f}, {100 * hi:+.1f}], sign-flip p {p:.3f}: {verdict}")
                 result[f"{key(h)}_{name}_{suffix}_lo"], result[f"{key(h)}_{name}_{suffix}_hi"] = lo, hi
         for name, run in zip(rls, done[h]["rl"]):
             steps = run["steps"]

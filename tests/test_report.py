@@ -63,7 +63,13 @@ def test_summary_puts_the_starting_and_the_last_heldout_pass1_side_by_side():
     assert before_after([start, noisy]).endswith(": within noise)")
     gain = {**_eval(2, 0.9), "per_task": {t: 1.0 for t in tasks}}
     line = before_after([start, gain])
-    assert "95% paired interval over 14 tasks x 1 [+" in line and line.endswith(": a gain)")
+    assert "95% paired interval over 14 tasks x 1 [+" in line and line.endswith("sign-flip p 0.00: a gain)")
+    # 3 of 4 tasks better, none worse: the bootstrap alone says [+25, +100], but a policy that
+    # changed nothing moves 3 of 3 changed tasks one way a quarter of the time
+    four = ["a", "b", "c", "d"]
+    small_start = {**_eval(0, 0.25), "tasks": 4, "per_task": {t: float(t == "d") for t in four}}
+    small_after = {**_eval(2, 1.0), "tasks": 4, "per_task": {t: 1.0 for t in four}}
+    assert before_after([small_start, small_after]).endswith("[+25.0, +100.0], sign-flip p 0.25: within noise)")
     steps = [{"learner/step": 1, "reward/mean": 0.0}, {"learner/step": 2, "reward/mean": 0.5},
              {"learner/step": 3, "reward/mean": 1.0}]
     summary = SimpleNamespace(steps=steps, outcomes={}, groups_trained=0, groups_withheld=0, calls=0,
@@ -146,3 +152,27 @@ def test_wandb_without_the_extra_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(ConfigError, match=r"run.wandb = 'online' needs the optional wandb package: uv pip install"):
         MetricsWriter(tmp_path, tensorboard=False, wandb="online")
+
+
+def test_the_sign_flip_p_value_counts_every_sign_pattern_as_extreme_as_the_change():
+    import itertools
+    import random
+
+    from polar_fast.report.intervals import EXACT_UP_TO, paired_verdict, sign_flip_p
+
+    assert sign_flip_p([1, 1, 1, 0]) == 0.25  # of 8 patterns of 3 changed tasks, +++ and ---
+    assert sign_flip_p([1.0] * 6) == 2 / 64
+    assert sign_flip_p([0.5, -0.25]) == 1.0  # every pattern is at least 0.25 from 0
+    assert sign_flip_p([0, 0]) == sign_flip_p([]) == 1.0
+    rng = random.Random(3)
+    for _ in range(20):  # against every pattern written out
+        d = [rng.choice([-1, -0.5, -0.25, 0.25, 0.5, 1]) for _ in range(rng.randint(1, 9))]
+        patterns = list(itertools.product([-1, 1], repeat=len(d)))
+        extreme = sum(abs(sum(s * x for s, x in zip(signs, d))) >= abs(sum(d)) - 1e-9 for signs in patterns)
+        assert sign_flip_p(d) == pytest.approx(extreme / len(patterns))
+    # past the exact size, random patterns: all better is far below 0.05, a balanced change is not
+    assert sign_flip_p([1.0] * (EXACT_UP_TO + 4)) < 0.001
+    assert sign_flip_p([1.0, -1.0] * 12) > 0.9
+    assert paired_verdict([0.0] * 20, [1.0] * 20)[3] == "a gain"
+    assert paired_verdict([1.0] * 20, [0.0] * 20)[3] == "a loss"
+    assert paired_verdict([0.0, 0.0, 1.0], [1.0, 1.0, 1.0])[3] == "within noise"

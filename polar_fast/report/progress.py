@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 from rich.table import Table
 
-from polar_fast.report.intervals import paired_bootstrap
+from polar_fast.report.intervals import paired_verdict
 
 
 class Progress:
@@ -93,8 +93,8 @@ class Progress:
 
 def before_after(evals: list[dict]) -> str:
     """'heldout pass@1: 35.7% at the start (the policy RL began from) -> 42.9% after step 2 (+7.1
-    points, 95% paired interval over 14 tasks [-7.1, +21.4]: within noise)', when the run
-    evaluated its starting policy and a later one on the same tasks."""
+    points, 95% paired interval over 14 tasks x 1 [-7.1, +21.4], sign-flip p 0.63: within noise)', when the
+    run evaluated its starting policy and a later one on the same tasks (intervals.paired_verdict)."""
     first = next((e for e in evals if e["step"] == 0), None)
     last = evals[-1] if evals else None
     if first is None or last is first or first["pass_at"].get("1") is None or last["pass_at"].get("1") is None:
@@ -106,10 +106,9 @@ def before_after(evals: list[dict]) -> str:
     ids = sorted(set(before) & set(after))
     if not ids:
         return line + f"; {last['tasks']} {last['split']} tasks x {last['samples']})"
-    lo, hi = paired_bootstrap([before[i] for i in ids], [after[i] for i in ids])
-    verdict = "within noise" if lo <= 0 <= hi else ("a gain" if lo > 0 else "a loss")
-    return (line + f", 95% paired interval over {len(ids)} tasks x {last['samples']} [{100 * lo:+.1f}, {100 * hi:+.1f}]:"
-            f" {verdict})")
+    lo, hi, p, verdict = paired_verdict([before[i] for i in ids], [after[i] for i in ids])
+    return (line + f", 95% paired interval over {len(ids)} tasks x {last['samples']}"
+            f" [{100 * lo:+.1f}, {100 * hi:+.1f}], sign-flip p {p:.2f}: {verdict})")
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
